@@ -1,0 +1,1 @@
+"""The `localserve` command line."""

@@ -1,0 +1,53 @@
+"""`localserve` entry point: one module per subcommand, one-line errors, non-zero exits."""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import sys
+
+from cli import eval as eval_cmd
+from cli import models, pull, run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="localserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for module in (pull, models, run, eval_cmd):
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print("localserve: interrupted", file=sys.stderr)
+        return 130
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            print(f"localserve: error: no space left on device ({e.filename or 'disk full'})",
+                  file=sys.stderr)
+        else:
+            print(f"localserve: error: {e}", file=sys.stderr)
+        return 1
+    except Exception as e:  # noqa: BLE001 - every failure ends as one line, not a traceback
+        if _is_user_error(e):
+            print(f"localserve: error: {e}", file=sys.stderr)
+            return 1
+        raise
+
+
+def _is_user_error(e: Exception) -> bool:
+    from server.models.config import UnsupportedModelError
+    from storage.gguf import GGUFError
+    from storage.models import ModelStoreError
+    from storage.sources import SourceError
+
+    return isinstance(e, SourceError | ModelStoreError | UnsupportedModelError | GGUFError
+                      | ValueError)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

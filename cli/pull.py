@@ -1,0 +1,131 @@
+"""`localserve pull MODEL [--bits 4|8|16] [--force]`: fetch, convert, quantize, store."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from storage.models import TAGS, ModelStore, StoredModel, write_manifest
+from storage.sources import TOKENIZER_FILES, Checkpoint, fetch, resolve
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("pull", help="download a model and store it pre-quantized")
+    p.add_argument("model", help="catalogue alias, Hugging Face repo id, local folder or .gguf")
+    p.add_argument("--bits", type=int, choices=(4, 8, 16), default=4)
+    p.add_argument("--force", action="store_true", help="replace an existing copy")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    store = ModelStore()
+    name = store_name(args.model, args.bits)
+    if store.exists(name) and not args.force:
+        print(f"{name} is already pulled (use --force to pull again)")
+        return 0
+    model = pull(args.model, args.bits, store, force=args.force)
+    print(f"pulled {model.name} ({model.size_bytes / 1e6:.1f} MB) -> {model.path}")
+    return 0
+
+
+def store_name(spec: str, bits: int) -> str:
+    return f"{resolve(spec).alias}:{TAGS[bits]}"
+
+
+def pull(spec: str, bits: int, store: ModelStore, force: bool = False) -> StoredModel:
+    """Fetch `spec` and install it as `<alias>:<tag>`; a no-op if present and not `force`."""
+    source = resolve(spec)
+    name = f"{source.alias}:{TAGS[bits]}"
+    if store.exists(name) and not force:
+        return store.resolve(name)
+    store.cache_dir.mkdir(parents=True, exist_ok=True)
+    with (
+        tempfile.TemporaryDirectory(prefix="pull-", dir=store.cache_dir) as scratch,
+        store.installing(name) as folder,
+    ):
+        checkpoint = fetch(source, Path(scratch), store.cache_dir)
+        build(checkpoint, bits, folder, name, source.alias)
+    return store.resolve(name)
+
+
+def build(checkpoint: Checkpoint, bits: int, folder: Path, name: str, alias: str) -> None:
+    """Convert a checkpoint into a store folder: weights, tokenizer files, manifest."""
+    # Heavy imports stay here so `localserve list` starts fast.
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
+    from server.models.config import ModelConfig
+    from server.quant import DEFAULT_GROUP_SIZE, quantize_state_dict
+
+    config = ModelConfig.from_hf(checkpoint.hf_config)  # refuses unsupported models early
+    tensors: dict[str, Any] = {}
+    schemes: dict[str, Any] = {}
+    bar = tqdm(total=checkpoint.num_tensors, desc=f"converting to {TAGS[bits]}", unit="tensor",
+               file=sys.stderr, disable=None)
+    for tensor_name, w in checkpoint.tensors():
+        bar.update(1)
+        if tensor_name == "lm_head.weight" and config.tie_word_embeddings:
+            continue  # tied: the embedding is the head
+        if "rotary_emb" in tensor_name:
+            continue
+        out, scheme = quantize_state_dict({tensor_name: w}, bits, DEFAULT_GROUP_SIZE)
+        tensors.update(out)
+        schemes.update(scheme)
+    bar.close()
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    copied = []
+    for f in TOKENIZER_FILES:
+        if (checkpoint.tokenizer_dir / f).is_file():
+            shutil.copyfile(checkpoint.tokenizer_dir / f, folder / f)
+            copied.append(f)
+    write_manifest(folder, {
+        "name": name,
+        "alias": alias,
+        "source": checkpoint.origin,
+        "architecture": config.architecture,
+        "config": checkpoint.hf_config,
+        "num_parameters": config.num_parameters,
+        "bits": bits,
+        "group_size": DEFAULT_GROUP_SIZE if bits == 4 else None,
+        "quantized": schemes,
+        "tokenizer": {
+            "files": copied,
+            "chat_template": _chat_template(folder),
+            "eos_token_ids": _eos_token_ids(folder, config.eos_token_ids),
+        },
+        "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
+    })
+
+
+def _chat_template(folder: Path) -> str | None:
+    if (folder / "chat_template.jinja").is_file():
+        return (folder / "chat_template.jinja").read_text()
+    if (folder / "tokenizer_config.json").is_file():
+        template = json.loads((folder / "tokenizer_config.json").read_text()).get("chat_template")
+        return template if isinstance(template, str) else None
+    return None
+
+
+def _eos_token_ids(folder: Path, from_config: tuple[int, ...]) -> list[int]:
+    """Every id that ends a turn: the config's, generation_config's and the tokenizer's."""
+    ids = set(from_config)
+    gen = folder / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    tok = folder / "tokenizer.json"
+    cfg = folder / "tokenizer_config.json"
+    if tok.is_file() and cfg.is_file():
+        eos_token = json.loads(cfg.read_text()).get("eos_token")
+        if isinstance(eos_token, dict):
+            eos_token = eos_token.get("content")
+        for added in json.loads(tok.read_text()).get("added_tokens", []):
+            if added.get("content") == eos_token:
+                ids.add(added["id"])
+    return sorted(ids)

@@ -1,0 +1,1 @@
+"""localserve's daemon: engine, models, quantization and (later) the HTTP API."""

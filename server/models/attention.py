@@ -1,0 +1,133 @@
+"""Attention over a paged KV cache, batched per step.
+
+The cache is one flat pool of slots per layer: slot = block_id * block_size + offset. A step
+writes its new keys/values to `slot_mapping`, then each query attends to the slots of its own
+sequence (gathered through the block table) up to its own position.
+
+Sequences are grouped so no layer loops over sequences on the decode path: every one-token
+(decode) sequence goes into one group with one query each; each multi-token chunk (prefill) is
+its own group, since prefill is compute-bound and few chunks run per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionGroup:
+    """Sequences attended together, padded to the group's longest query and context."""
+
+    token_index: torch.Tensor  # [B, max_q] index of each query in the step's tokens (padded)
+    context_slots: torch.Tensor  # [B, max_ctx] cache slot of each context position (padded)
+    mask: torch.Tensor  # [B, 1, 1, max_q, max_ctx] additive: 0 where allowed, -inf elsewhere
+    valid: torch.Tensor  # [num_valid] flat indices into [B * max_q] of real queries
+    dest: torch.Tensor  # [num_valid] step-token index each real query's output goes to
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Everything the layers need for one step; built once, shared by all layers."""
+
+    positions: torch.Tensor  # [num_tokens] position of each token in its sequence
+    slot_mapping: torch.Tensor  # [num_tokens] cache slot each new token's k/v is written to
+    groups: list[AttentionGroup]
+    num_tokens: int
+
+
+def build_metadata(
+    query_lens: list[int],
+    seq_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> AttentionMetadata:
+    """Step metadata for sequences that each add query_lens[i] tokens, ending at seq_lens[i]."""
+    q_lens = torch.tensor(query_lens, dtype=torch.long)
+    s_lens = torch.tensor(seq_lens, dtype=torch.long)
+    num_tokens = int(q_lens.sum())
+    # Position of every new token: seq_len - q_len + [0, q_len).
+    starts = torch.cumsum(q_lens, 0) - q_lens  # [B] first token index of each sequence
+    seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens)), q_lens)  # [T]
+    offset_in_seq = torch.arange(num_tokens) - starts[seq_of_token]
+    positions = (s_lens - q_lens)[seq_of_token] + offset_in_seq  # [T]
+    max_blocks = max(len(b) for b in block_tables)
+    tables = torch.tensor([b + [0] * (max_blocks - len(b)) for b in block_tables], dtype=torch.long)
+    block_of_token = tables[seq_of_token, positions // block_size]
+    slot_mapping = block_of_token * block_size + positions % block_size
+
+    decode = [i for i, q in enumerate(query_lens) if q == 1]
+    prefill = [[i] for i, q in enumerate(query_lens) if q > 1]
+    groups = [
+        _build_group(idx, q_lens, s_lens, starts, tables, block_size, dtype, device)
+        for idx in ([decode] if decode else []) + prefill
+    ]
+    return AttentionMetadata(
+        positions=positions.to(device),
+        slot_mapping=slot_mapping.to(device),
+        groups=groups,
+        num_tokens=num_tokens,
+    )
+
+
+def _build_group(
+    idx: list[int],
+    q_lens: torch.Tensor,
+    s_lens: torch.Tensor,
+    starts: torch.Tensor,
+    tables: torch.Tensor,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> AttentionGroup:
+    sel = torch.tensor(idx, dtype=torch.long)
+    q, s, st = q_lens[sel], s_lens[sel], starts[sel]  # [B]
+    max_q, max_ctx = int(q.max()), int(s.max())
+    qi = torch.arange(max_q)  # [max_q]
+    is_real_query = qi[None, :] < q[:, None]  # [B, max_q]
+    token_index = torch.where(is_real_query, st[:, None] + qi[None, :], 0)
+    ctx = torch.arange(max_ctx)  # [max_ctx]
+    context_slots = tables[sel][:, ctx // block_size] * block_size + ctx % block_size
+    query_pos = (s - q)[:, None] + qi[None, :]  # [B, max_q]
+    allowed = ctx[None, None, :] <= query_pos[:, :, None]  # [B, max_q, max_ctx]
+    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
+    valid = torch.nonzero(is_real_query.flatten()).flatten()
+    return AttentionGroup(
+        token_index=token_index.to(device),
+        context_slots=context_slots.to(device),
+        mask=mask[:, None, None].to(device),
+        valid=valid.to(device),
+        dest=token_index.flatten()[valid].to(device),
+    )
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """q: [T, Hq, D]; caches: [num_slots, Hkv, D] already holding this step's k/v -> [T, Hq*D]."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    group_size = num_heads // num_kv_heads
+    out = q.new_empty(num_tokens, num_heads * head_dim)
+    for g in meta.groups:
+        b, max_q = g.token_index.shape
+        # [B, max_q, Hkv, G, D] -> [B, Hkv, G, max_q, D]
+        qg = q[g.token_index].view(b, max_q, num_kv_heads, group_size, head_dim)
+        qg = qg.permute(0, 2, 3, 1, 4)
+        k = k_cache[g.context_slots].permute(0, 2, 1, 3)  # [B, Hkv, C, D]
+        v = v_cache[g.context_slots].permute(0, 2, 1, 3)  # [B, Hkv, C, D]
+        # Batched matmuls + softmax: much faster than masked SDPA for one-token decode on CPU.
+        scores = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)) * scale  # [B,Hkv,G,max_q,C]
+        scores = scores + g.mask
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        o = torch.matmul(probs, v.unsqueeze(2))  # [B, Hkv, G, max_q, D]
+        o = o.permute(0, 3, 1, 2, 4).reshape(b * max_q, num_heads * head_dim)
+        out[g.dest] = o[g.valid]
+    return out

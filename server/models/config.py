@@ -1,0 +1,99 @@
+"""ModelConfig: the one place that reads a Hugging Face config."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+# Architecture name -> family flags. Llama is the base; Qwen2 adds q/k/v biases, Qwen3 adds
+# per-head RMSNorm on q and k.
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": {"qkv_bias": False, "qk_norm": False},
+    "Qwen2ForCausalLM": {"qkv_bias": True, "qk_norm": False},
+    "Qwen3ForCausalLM": {"qkv_bias": False, "qk_norm": True},
+}
+
+
+class UnsupportedModelError(ValueError):
+    """The model's architecture or one of its settings is not implemented here."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Shapes and hyper-parameters of a decoder-only transformer of the Llama family."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    rope_scaling: dict[str, Any] | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
+        """Build from a Hugging Face config.json dict (transformers 4.x or 5.x layout)."""
+        archs = hf.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            name = archs[0] if archs else hf.get("model_type", "unknown")
+            supported = ", ".join(SUPPORTED_ARCHITECTURES)
+            raise UnsupportedModelError(
+                f"unsupported architecture {name!r} (supported: {supported})"
+            )
+        flags = SUPPORTED_ARCHITECTURES[arch]
+        # transformers 5 nests rope settings in rope_parameters; 4.x used rope_theta/rope_scaling.
+        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+        rope_theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "llama3"):
+            raise UnsupportedModelError(f"unsupported rope scaling {rope_type!r}")
+        if hf.get("use_sliding_window"):
+            raise UnsupportedModelError("sliding-window attention is not supported")
+        num_heads = hf["num_attention_heads"]
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        qkv_bias = flags["qkv_bias"] or bool(hf.get("attention_bias", False))
+        return cls(
+            architecture=arch,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            qk_norm=flags["qk_norm"],
+            rope_scaling=rope if rope_type != "default" else None,
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    @property
+    def num_parameters(self) -> int:
+        """Parameter count implied by the shapes (embeddings counted once when tied)."""
+        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
+        attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
+        if self.qkv_bias:
+            attn += d * (self.num_heads + 2 * self.num_kv_heads)
+        layer = attn + 3 * h * i + 2 * h + (2 * d if self.qk_norm else 0)
+        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * layer + embed + h
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

@@ -1,0 +1,164 @@
+"""The Llama family in plain PyTorch: Llama (SmolLM2), Qwen2 (+ q/k/v bias), Qwen3 (+ q/k norm).
+
+Submodule and tensor names are Hugging Face's, so loading a checkpoint is a name-for-name copy.
+The forward takes a flat batch of tokens from many sequences with their positions and cache
+slots (see attention.py) and returns hidden states; logits are computed only where asked.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from server.models.attention import AttentionMetadata, paged_attention
+from server.models.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalize in fp32 and scale in the input dtype, as the reference implementation does.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
+    """[head_dim // 2] inverse frequencies, with Llama-3 style scaling when configured."""
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    scaling = config.rope_scaling
+    if not scaling:
+        return inv_freq
+    factor = scaling["factor"]
+    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+    old_len = scaling["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+        h, d, bias = config.hidden_size, config.head_dim, config.qkv_bias
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(d, config.rms_norm_eps)
+            self.k_norm = RMSNorm(d, config.rms_norm_eps)
+        self.scale = d**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,  # [T, 1, head_dim]
+        sin: torch.Tensor,  # [T, 1, head_dim]
+        k_cache: torch.Tensor,  # [num_slots, Hkv, head_dim]
+        v_cache: torch.Tensor,  # [num_slots, Hkv, head_dim]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        k_cache[meta.slot_mapping] = k
+        v_cache[meta.slot_mapping] = v
+        return self.o_proj(paged_attention(q, k_cache, v_cache, meta, self.scale))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        h, i = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=False)
+        self.up_proj = nn.Linear(h, i, bias=False)
+        self.down_proj = nn.Linear(i, h, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(config)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, k_cache, v_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama/Qwen2/Qwen3 decoder over a paged KV cache."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Backbone(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # fp32 cos/sin tables, built on the first forward's device. Plain attributes, not buffers:
+        # casting the model to bf16 must not round them.
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _rope_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._rope is None or self._rope[0].device != device:
+            positions = torch.arange(self.config.max_position_embeddings, dtype=torch.float32)
+            freqs = torch.outer(positions, rope_inverse_frequencies(self.config))  # [P, D/2]
+            emb = torch.cat((freqs, freqs), dim=-1).to(device)  # [max_pos, D]
+            self._rope = (emb.cos(), emb.sin())
+        return self._rope
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer: ([slots, Hkv, D],)*2
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Hidden states after the final norm: [T, hidden]."""
+        x = self.model.embed_tokens(input_ids)
+        rope_cos, rope_sin = self._rope_tables(x.device)
+        cos = rope_cos[meta.positions].to(x.dtype)[:, None, :]  # [T, 1, D]
+        sin = rope_sin[meta.positions].to(x.dtype)[:, None, :]
+        for layer, (k_cache, v_cache) in zip(self.model.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, k_cache, v_cache, meta)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] fp32 logits, for the rows that sample only."""
+        return self.lm_head(hidden).float()

@@ -1,0 +1,74 @@
+"""Load a stored model (any bits) onto a device, checksums verified."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from server.models import model_class
+from server.models.config import ModelConfig
+from server.quant import apply_quantization, prepare_quantized
+from server.quant.int8 import Int8Embedding
+from storage.models import StoredModel
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    model: nn.Module
+    config: ModelConfig
+    stored: StoredModel
+    device: torch.device
+    dtype: torch.dtype
+
+
+def build_model(
+    config: ModelConfig,
+    state: dict[str, torch.Tensor],
+    schemes: dict,
+    device: torch.device,
+    dtype: torch.dtype,
+    use_kernels: bool = True,
+) -> nn.Module:
+    """Instantiate without allocating, swap quantized modules, then assign the tensors."""
+    with torch.device("meta"):
+        model = model_class(config.architecture)(config)
+    apply_quantization(model, schemes)
+    tied = config.tie_word_embeddings
+    if tied:
+        state = {k: v for k, v in state.items() if not k.startswith("lm_head.")}
+        del model.lm_head  # re-created below from the embedding
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    if missing or unexpected:
+        raise ValueError(f"weights do not match the config: missing {missing[:3]}, "
+                         f"unexpected {unexpected[:3]}")
+    model.to(device=device, dtype=dtype)  # int tensors keep their dtype; floats take `dtype`
+    if tied:
+        embed = model.model.embed_tokens
+        if isinstance(embed, Int8Embedding):
+            model.lm_head = embed.as_linear()
+        else:
+            model.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            model.lm_head.weight = embed.weight
+    prepare_quantized(model, use_kernels)
+    return model.eval().requires_grad_(False)
+
+
+def load_model(
+    stored: StoredModel,
+    device: torch.device,
+    dtype: torch.dtype,
+    verify: bool = True,
+    use_kernels: bool = True,
+) -> LoadedModel:
+    """Load a stored model; `use_kernels=False` gives the dequantizing reference path."""
+    from safetensors.torch import load_file
+
+    if verify:
+        stored.verify()
+    config = ModelConfig.from_hf(stored.manifest["config"])
+    state = load_file(str(stored.path / "model.safetensors"))
+    model = build_model(config, state, stored.manifest["quantized"], device, dtype,
+                        use_kernels)
+    return LoadedModel(model, config, stored, device, dtype)

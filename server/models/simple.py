@@ -1,0 +1,60 @@
+"""Single-sequence helpers over the model forward: scoring text and greedy decoding.
+
+They use a one-block cache as long as the sequence. The serving engine (server/engine) is the
+batched path; these serve `localserve eval`, quick answers and the reference in tests.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from server.models.attention import build_metadata
+
+
+def allocate_kv(model: nn.Module, num_slots: int, device, dtype) -> list[tuple[torch.Tensor, ...]]:
+    c = model.config
+    shape = (num_slots, c.num_kv_heads, c.head_dim)
+    return [(torch.zeros(shape, device=device, dtype=dtype),
+             torch.zeros(shape, device=device, dtype=dtype)) for _ in range(c.num_layers)]
+
+
+def _param_dtype(model: nn.Module) -> torch.dtype:
+    return model.model.norm.weight.dtype
+
+
+@torch.inference_mode()
+def prompt_logits(model: nn.Module, ids: list[int], chunk: int = 512) -> torch.Tensor:
+    """[len(ids), vocab] fp32 logits of every position, prefilled `chunk` tokens at a time."""
+    device, dtype = model.model.norm.weight.device, _param_dtype(model)
+    kv = allocate_kv(model, len(ids), device, dtype)
+    out = []
+    for start in range(0, len(ids), chunk):
+        piece = ids[start:start + chunk]
+        meta = build_metadata([len(piece)], [start + len(piece)], [[0]], len(ids), device, dtype)
+        hidden = model(torch.tensor(piece, device=device), kv, meta)
+        out.append(model.compute_logits(hidden))
+    return torch.cat(out)
+
+
+@torch.inference_mode()
+def greedy_generate(
+    model: nn.Module, ids: list[int], max_new_tokens: int, eos_token_ids: tuple[int, ...] = ()
+) -> list[int]:
+    """Greedy continuation of `ids`, stopping after an eos token (included) or the budget."""
+    device, dtype = model.model.norm.weight.device, _param_dtype(model)
+    total = len(ids) + max_new_tokens
+    kv = allocate_kv(model, total, device, dtype)
+    new: list[int] = []
+    step_ids = list(ids)
+    seq_len = 0
+    while len(new) < max_new_tokens:
+        seq_len += len(step_ids)
+        meta = build_metadata([len(step_ids)], [seq_len], [[0]], total, device, dtype)
+        hidden = model(torch.tensor(step_ids, device=device), kv, meta)
+        token = int(model.compute_logits(hidden[-1:]).argmax(-1))
+        new.append(token)
+        if token in eos_token_ids:
+            break
+        step_ids = [token]
+    return new

@@ -1,0 +1,73 @@
+"""int8 weight-only quantization: symmetric, one fp scale per output row.
+
+The CPU kernel `_weight_int8pack_mm` takes exactly this layout ([N, K] int8, [N] scales) and is
+fast only with bf16 activations (25-60x slower with fp32 ones), so an fp32 model casts to bf16
+around it. Without the kernel (CUDA, or `use_kernel=False` for exactness tests) the module
+dequantizes the weight: the reference path.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> ([N, K] int8, [N] fp32 scale) with w ~= q * scale."""
+    w = w.float()
+    scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-8)  # [N]
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Inverse of quantize_int8, in fp32: [N, K]."""
+    return q.float() * scale.float()[:, None]
+
+
+class Int8Linear(nn.Module):
+    """Drop-in for nn.Linear whose weight is int8 with per-row scales."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.int8))
+        self.register_buffer("weight_scale", torch.empty(out_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.kernel_scale: torch.Tensor | None = None  # [N] bf16, set when the kernel applies
+
+    def prepare(self, use_kernel: bool = True) -> None:
+        """Pick the kernel once the module sits on its final device."""
+        on_cpu = self.weight.device.type == "cpu"
+        self.kernel_scale = self.weight_scale.bfloat16() if use_kernel and on_cpu else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel_scale is not None:
+            y = torch.ops.aten._weight_int8pack_mm(
+                x.reshape(-1, self.in_features).bfloat16(), self.weight, self.kernel_scale
+            ).view(*x.shape[:-1], self.out_features).to(x.dtype)
+            return y if self.bias is None else y + self.bias
+        w = dequantize_int8(self.weight, self.weight_scale).to(x.dtype)
+        return F.linear(x, w, self.bias)
+
+
+class Int8Embedding(nn.Module):
+    """Drop-in for nn.Embedding with int8 rows; a tied LM head can share its buffers."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        shape = (num_embeddings, embedding_dim)
+        self.register_buffer("weight", torch.empty(shape, dtype=torch.int8))
+        self.register_buffer("weight_scale", torch.empty(num_embeddings))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.weight[ids].to(self.weight_scale.dtype)  # [..., H]
+        return rows * self.weight_scale[ids].unsqueeze(-1)
+
+    def as_linear(self) -> Int8Linear:
+        """An LM head reading the same int8 tensor (for tied embeddings)."""
+        head = Int8Linear(self.embedding_dim, self.num_embeddings)
+        head.weight, head.weight_scale = self.weight, self.weight_scale
+        return head

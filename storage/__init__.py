@@ -1,0 +1,1 @@
+"""On-disk state: the model store (and later the SQLite batch store)."""

@@ -1,0 +1,102 @@
+"""Tiny random-weight models and tokenizers, built in-process (no downloads)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def byte_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(161, 173)) + list(range(174, 256))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs), strict=True))
+
+
+def tiny_vocab() -> tuple[list[str], list[str]]:
+    """Special tokens, the 256 byte tokens and a few merges: (tokens, merges)."""
+    chars = list(byte_unicode().values())
+    merges = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "e r", "o n", "r e"]
+    merged = [m.replace(" ", "") for m in merges]
+    return SPECIAL_TOKENS + chars + merged, merges
+
+
+def make_tokenizer():
+    """A byte-level BPE fast tokenizer with a chat template (vocab 267)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tokens, merges = tiny_vocab()
+    vocab = {t: i for i, t in enumerate(tokens)}
+    bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ")) for m in merges])
+    tok = Tokenizer(bpe)
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+VOCAB_SIZE = len(tiny_vocab()[0]) + 5  # a few spare rows, as real checkpoints have
+
+
+def hf_config(arch: str, **overrides):
+    """A tiny transformers config of the given family (fp32, 2 layers, GQA 4:2)."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch]
+    kwargs = dict(
+        vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+    )
+    if arch == "qwen3":
+        kwargs["head_dim"] = 32
+    kwargs.update(overrides)
+    return cls(**kwargs)
+
+
+def hf_model(arch: str, seed: int = 0, **overrides):
+    """A random-weight transformers model, weights rounded to bf16 so stored copies are exact."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config(arch, **overrides), dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.08).copy_(p.bfloat16().float())
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_((1 + 0.1 * torch.randn_like(p)).bfloat16().float())
+    return model.eval()
+
+
+def save_hf_folder(model, path: Path) -> Path:
+    """A local Hugging Face folder: config.json, safetensors, tokenizer files."""
+    model.save_pretrained(path, safe_serialization=True)
+    make_tokenizer().save_pretrained(path)
+    return path
+
+
+def our_config(model):
+    from server.models.config import ModelConfig
+
+    return ModelConfig.from_hf(model.config.to_dict() | {"architectures": [
+        type(model).__name__]})

@@ -1,0 +1,109 @@
+"""Pure quantize/pack functions: exact round trips and error bounds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from server.quant import apply_quantization, quantize_state_dict
+from server.quant.int4 import (
+    Int4Linear,
+    dequantize_int4,
+    pack_int4,
+    quantize_int4,
+    unpack_int4,
+)
+from server.quant.int8 import Int8Embedding, Int8Linear, dequantize_int8, quantize_int8
+
+
+def test_pack_unpack_int4_round_trip():
+    q = torch.randint(0, 16, (6, 64), dtype=torch.uint8)
+    packed = pack_int4(q)
+    assert packed.shape == (6, 32) and packed.dtype == torch.uint8
+    assert torch.equal(unpack_int4(packed), q)
+
+
+def test_pack_int4_layout():
+    # Even column in the low nibble, odd column in the high nibble: [1, 2] -> 0x21.
+    assert pack_int4(torch.tensor([[1, 2, 15, 0]])).tolist() == [[0x21, 0x0F]]
+
+
+def test_int4_error_at_most_half_a_step():
+    w = torch.randn(32, 128) * 0.1
+    q, scale, zero = quantize_int4(w, 32)
+    assert scale.shape == zero.shape == (32, 4) and q.max() <= 15
+    err = (dequantize_int4(q, scale, zero, 32) - w).abs().reshape(32, 4, 32)
+    # Rounding to the nearest of 16 levels spaced `scale` apart; bf16 scale/zero add a hair.
+    assert (err <= scale.float()[..., None] * 0.5 + 1e-3).all()
+
+
+def test_int4_exact_on_representable_values():
+    scale, zero = 0.25, 1.0  # levels: (q - 8) * 0.25 + 1.0 for q in 0..15 -> -1.0 .. 2.75
+    q = torch.arange(16).repeat(4, 4)  # [4, 64]: every level in every group of 32
+    w = (q - 8) * scale + zero
+    q2, s2, z2 = quantize_int4(w.float(), 32)
+    assert torch.equal(dequantize_int4(q2, s2, z2, 32), w.float())
+
+
+def test_int4_rejects_bad_group():
+    with pytest.raises(ValueError, match="multiple of group size"):
+        quantize_int4(torch.randn(4, 48), 32)
+
+
+def test_int8_round_trip_bound():
+    w = torch.randn(16, 64)
+    q, scale = quantize_int8(w)
+    assert q.dtype == torch.int8 and scale.shape == (16,)
+    err = (dequantize_int8(q, scale) - w).abs()
+    assert (err <= scale[:, None] * 0.5 + 1e-7).all()
+    # The largest magnitude in each row maps to +-127 exactly.
+    assert torch.equal(q.abs().amax(dim=1), torch.full((16,), 127, dtype=torch.int8))
+
+
+def test_state_dict_policy():
+    state = {
+        "model.embed_tokens.weight": torch.randn(100, 64),
+        "model.layers.0.self_attn.q_proj.weight": torch.randn(64, 64),
+        "model.layers.0.mlp.down_proj.weight": torch.randn(64, 96),  # 96 % 64 != 0 -> int8
+        "model.layers.0.input_layernorm.weight": torch.ones(64),
+    }
+    tensors, schemes = quantize_state_dict(state, 4, 64)
+    assert schemes == {
+        "model.embed_tokens.weight": {"bits": 8},
+        "model.layers.0.self_attn.q_proj.weight": {"bits": 4, "group_size": 64},
+        "model.layers.0.mlp.down_proj.weight": {"bits": 8},
+    }
+    assert tensors["model.layers.0.self_attn.q_proj.weight"].shape == (64, 32)
+    assert tensors["model.layers.0.input_layernorm.weight"].dtype == torch.bfloat16
+    bf16, none = quantize_state_dict(state, 16)
+    assert none == {} and all(t.dtype == torch.bfloat16 for t in bf16.values())
+
+
+def test_apply_quantization_swaps_modules():
+    model = torch.nn.Module()
+    model.embed = torch.nn.Embedding(10, 64)
+    model.proj = torch.nn.Linear(64, 32, bias=True)
+    model.head = torch.nn.Linear(64, 10)
+    apply_quantization(model, {"embed.weight": {"bits": 8},
+                               "proj.weight": {"bits": 4, "group_size": 32},
+                               "head.weight": {"bits": 8}})
+    assert isinstance(model.embed, Int8Embedding)
+    assert isinstance(model.proj, Int4Linear) and model.proj.bias is not None
+    assert isinstance(model.head, Int8Linear)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_int4_kernel_matches_reference(rows):
+    torch.manual_seed(0)
+    w = torch.randn(96, 128) * 0.05
+    q, scale, zero = quantize_int4(w, 64)
+    layer = Int4Linear(128, 96, 64)
+    layer.weight, layer.weight_scale, layer.weight_zero = pack_int4(q), scale, zero
+    x = torch.randn(rows, 128)
+    layer.prepare(use_kernel=False)
+    ref = layer(x)
+    torch.testing.assert_close(ref, x @ dequantize_int4(q, scale, zero, 64).t())
+    layer.prepare(use_kernel=True)
+    got = layer(x)
+    assert got.dtype == torch.float32
+    assert (got - ref).abs().max() < 0.02 * ref.abs().max()
