@@ -1,0 +1,1 @@
+"""The serving engine: scheduler and block manager (pure Python), model runner, sampler."""

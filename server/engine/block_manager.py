@@ -1,0 +1,154 @@
+"""The paged KV cache's bookkeeping: blocks, reference counts, the prefix cache. No torch.
+
+A full block is known by a chained hash of (parent block's hash, its token ids), salted per
+tenant so tenants never share cache; a hit is verified against the stored token ids. Blocks are
+reference-counted. A block whose count drops to zero goes to the tail of the free queue but
+keeps its hash, so a later request can still reuse it until it is taken for new data (least
+recently freed first). A sequence's blocks are freed tail-first, so the end of a chain is
+evicted before its beginning.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from server.engine.sequence import Sequence
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: bytes | None = None  # set once the block is full and registered
+    token_ids: tuple[int, ...] = ()  # the tokens behind block_hash, to verify hits
+
+
+def chain_hash(parent: bytes | None, token_ids: list[int] | tuple[int, ...], salt: str) -> bytes:
+    """sha256 over the parent's hash (or the tenant salt for a first block) and the tokens."""
+    h = hashlib.sha256(parent if parent is not None else b"root:" + salt.encode())
+    h.update(array("q", token_ids).tobytes())
+    return h.digest()
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached: dict[bytes, int] = {}  # block hash -> block id
+        self.num_cache_queries = 0  # prompt tokens looked up in the prefix cache
+        self.num_cache_hits = 0  # of those, tokens found
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return len(self.blocks) - len(self.free_queue)
+
+    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
+        """New blocks `seq` needs to hold its first `num_tokens` tokens."""
+        total = -(-num_tokens // self.block_size)
+        return max(0, total - len(seq.block_table))
+
+    # -- admission: prefix-cache lookup -------------------------------------------------------
+
+    def match_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks holding a prefix of seq's tokens, never its last token (whose logits
+        are needed, so it is always computed)."""
+        if not self.enable_prefix_caching:
+            return []
+        bs = self.block_size
+        hits: list[int] = []
+        parent = None
+        for start in range(0, seq.num_tokens - 1 - bs + 1, bs):
+            tokens = tuple(seq.token_ids[start:start + bs])
+            parent = chain_hash(parent, tokens, seq.cache_salt)
+            block_id = self.cached.get(parent)
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
+                break
+            hits.append(block_id)
+        return hits
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, hits: list[int]) -> bool:
+        """Whether admitting seq with these prefix hits and a first chunk of num_new_tokens fits.
+        Hit blocks sitting in the free queue stop being free once taken."""
+        reused_free = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        total = -(-(len(hits) * self.block_size + num_new_tokens) // self.block_size)
+        return total - len(hits) <= self.num_free_blocks - reused_free
+
+    def allocate(self, seq: Sequence, num_new_tokens: int, hits: list[int]) -> None:
+        """Admit seq: take its prefix hits, then blocks for its first chunk."""
+        assert not seq.block_table
+        for block_id in hits:
+            self._take(block_id)
+        seq.block_table = list(hits)
+        seq.num_hashed_blocks = len(hits)
+        seq.last_block_hash = self.blocks[hits[-1]].block_hash if hits else None
+        seq.num_computed_tokens = len(hits) * self.block_size
+        seq.num_cached_tokens = seq.num_computed_tokens
+        self.num_cache_queries += seq.num_tokens
+        self.num_cache_hits += seq.num_cached_tokens
+        self.append_slots(seq, num_new_tokens)
+
+    # -- growth --------------------------------------------------------------------------------
+
+    def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
+        needed = self.blocks_needed(seq, seq.num_computed_tokens + num_new_tokens)
+        return needed <= self.num_free_blocks
+
+    def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Give seq the blocks to compute num_new_tokens more tokens."""
+        for _ in range(self.blocks_needed(seq, seq.num_computed_tokens + num_new_tokens)):
+            block_id, _ = self.free_queue.popitem(last=False)  # least recently freed
+            block = self.blocks[block_id]
+            if block.block_hash is not None:  # evict its cached content
+                if self.cached.get(block.block_hash) == block_id:
+                    del self.cached[block.block_hash]
+                block.block_hash, block.token_ids = None, ()
+            block.ref_count = 1
+            seq.block_table.append(block_id)
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register seq's blocks that are full of computed tokens (call after each step)."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        for i in range(seq.num_hashed_blocks, seq.num_computed_tokens // bs):
+            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            block_hash = chain_hash(seq.last_block_hash, tokens, seq.cache_salt)
+            if block_hash not in self.cached:  # an identical block computed elsewhere stays
+                block = self.blocks[seq.block_table[i]]
+                block.block_hash, block.token_ids = block_hash, tokens
+                self.cached[block_hash] = block.block_id
+            seq.last_block_hash = block_hash
+            seq.num_hashed_blocks = i + 1
+
+    # -- release -------------------------------------------------------------------------------
+
+    def free(self, seq: Sequence) -> None:
+        """Drop seq's references, tail block first (so tails are evicted before heads)."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"block {block_id} freed twice"
+            if block.ref_count == 0:
+                self.free_queue[block_id] = None
+        seq.block_table = []
+        seq.num_hashed_blocks, seq.last_block_hash = 0, None
+
+    def _take(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free_queue[block_id]
+        block.ref_count += 1
+
+    def reset_prefix_cache(self) -> None:
+        for block in self.blocks:
+            block.block_hash, block.token_ids = None, ()
+        self.cached.clear()

@@ -1,0 +1,286 @@
+"""Engine (the step) and AsyncEngine (the engine in its own thread, for asyncio callers)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from server.engine.block_manager import BlockManager
+from server.engine.detokenizer import IncrementalDetokenizer
+from server.engine.model_runner import ModelRunner, kv_bytes_per_block
+from server.engine.scheduler import Scheduler, SchedulerOutput
+from server.engine.sequence import (
+    PRIORITY_INTERACTIVE,
+    SamplingParams,
+    Sequence,
+    SequenceStatus,
+)
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    block_size: int = 16
+    num_blocks: int | None = None  # default: from kv_cache_bytes
+    kv_cache_bytes: int = 256 << 20  # KV pool budget when num_blocks is not given
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None  # default: the model's context
+    enable_prefix_caching: bool = True
+
+
+@dataclass(slots=True)
+class StepOutput:
+    scheduled: SchedulerOutput
+    finished: list[Sequence]
+
+
+@dataclass(slots=True)
+class Metrics:
+    """Counters for /metrics; the engine thread writes, readers take snapshots."""
+
+    num_prompt_tokens: dict[int, int] = field(default_factory=dict)  # by priority
+    num_generation_tokens: dict[int, int] = field(default_factory=dict)  # by priority
+    num_steps: int = 0
+    step_seconds: float = 0.0
+
+
+class Engine:
+    """Synchronous engine: add requests, call step() until nothing is left."""
+
+    def __init__(self, model, config: EngineConfig, device, dtype) -> None:
+        model_len = model.config.max_position_embeddings
+        self.max_model_len = min(config.max_model_len or model_len, model_len)
+        num_blocks = config.num_blocks or max(
+            1, config.kv_cache_bytes // kv_bytes_per_block(model.config, config.block_size, dtype))
+        self.config = config
+        self.block_manager = BlockManager(num_blocks, config.block_size,
+                                          config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
+                                   config.max_num_batched_tokens, self.max_model_len)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, device, dtype)
+        self.metrics = Metrics()
+
+    def add(self, seq: Sequence) -> None:
+        """Queue seq; raises RequestTooLargeError if it could never run."""
+        self.scheduler.add(seq)
+
+    def step(self) -> StepOutput:
+        out = self.scheduler.schedule()
+        result = self.runner.run(out) if not out.is_empty else None
+        finished = self.scheduler.update(out, result.token_ids if result else [])
+        self._record(out, result, finished)
+        return StepOutput(out, finished)
+
+    def _record(self, out: SchedulerOutput, result, finished: list[Sequence]) -> None:
+        """Bookkeeping outside the four lines: logprobs, sampler state, counters."""
+        m = self.metrics
+        m.num_steps += 1
+        sampling = [s for s, f in zip(out.seqs, out.is_sampling, strict=True) if f]
+        for seq, n in zip(out.seqs, out.num_new_tokens, strict=True):
+            if seq.num_computed_tokens <= seq.num_prompt_tokens:
+                m.num_prompt_tokens[seq.priority] = m.num_prompt_tokens.get(seq.priority, 0) + n
+        for k, seq in enumerate(sampling):
+            m.num_generation_tokens[seq.priority] = m.num_generation_tokens.get(seq.priority,
+                                                                                0) + 1
+            if result is not None and result.logprobs is not None and seq.params.logprobs:
+                tops = result.top_logprobs[k][: seq.params.top_logprobs] if result.top_logprobs \
+                    else []
+                seq.logprobs.append((result.logprobs[k], tops))
+        for seq in finished:
+            self.runner.sampler.release(seq)
+
+    def abort(self, seq: Sequence, status=SequenceStatus.FINISHED_ABORTED) -> None:
+        self.scheduler.abort(seq, status)
+        self.runner.sampler.release(seq)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+
+@dataclass(slots=True)
+class CompletionChunk:
+    """What generate() yields: new text and tokens of one of the request's n choices."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: str | None = None  # the stop string that ended it, if any
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+
+
+@dataclass(slots=True)
+class _Request:
+    request_id: str
+    seqs: list[Sequence]
+    detokenizers: list[IncrementalDetokenizer]
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    num_logprobs_sent: list[int]
+
+
+class AsyncEngine:
+    """The model runs in its own thread; callers await generate() and may abort()."""
+
+    def __init__(self, engine: Engine, tokenizer: Any, eos_token_ids: tuple[int, ...]) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._requests: dict[str, _Request] = {}
+        self._ids = itertools.count()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self._thread.start()
+
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        priority: int = PRIORITY_INTERACTIVE,
+        cache_salt: str = "",
+        request_id: str | None = None,
+    ) -> AsyncIterator[CompletionChunk]:
+        """Stream chunks until every one of the n choices has finished. Raises
+        RequestTooLargeError before the first chunk if the request can never run."""
+        request_id = request_id or f"req-{next(self._ids)}"
+        seqs = []
+        for i in range(params.n):
+            child = params if params.seed is None else _with_seed(params, params.seed + i)
+            seq = Sequence(prompt_ids, child, priority, cache_salt, request_id,
+                           eos_token_ids=self.eos_token_ids)
+            seq.leader = seqs[0] if seqs else None
+            seqs.append(seq)
+        req = _Request(request_id, seqs,
+                       [IncrementalDetokenizer(self.tokenizer, params.stop) for _ in seqs],
+                       asyncio.get_running_loop(), asyncio.Queue(), [0] * len(seqs))
+        for seq in seqs:  # refuse synchronously: too-large requests never reach the thread
+            self.engine.scheduler.check(seq)
+        self._inbox.put(("add", req))
+        self._wake.set()
+        remaining = len(seqs)
+        try:
+            while remaining:
+                item = await req.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finish_reason is not None:
+                    remaining -= 1
+                yield item
+        finally:
+            if remaining:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; its blocks are free at the next step."""
+        self._inbox.put(("abort", request_id))
+        self._wake.set()
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    # -- the engine thread ---------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        engine = self.engine
+        while not self._stopping:
+            self._drain_inbox()
+            if not engine.has_unfinished:
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            t = time.perf_counter()
+            try:
+                step = engine.step()
+            except Exception as e:  # a failed step fails its requests, never the thread
+                self._fail_all(e)
+                continue
+            engine.metrics.step_seconds += time.perf_counter() - t
+            self._deliver(step)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, arg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self._requests[arg.request_id] = arg
+                for seq in arg.seqs:
+                    self.engine.add(seq)
+            elif kind == "abort" and arg in self._requests:
+                for seq in self._requests.pop(arg).seqs:
+                    self.engine.abort(seq)
+
+    def _deliver(self, step: StepOutput) -> None:
+        touched = [s for s, f in zip(step.scheduled.seqs, step.scheduled.is_sampling,
+                                     strict=True) if f]
+        for seq in touched:
+            req = self._requests.get(seq.request_id)
+            if req is None:
+                continue
+            index = req.seqs.index(seq)
+            detok = req.detokenizers[index]
+            token = seq.token_ids[-1]
+            text = detok.add(token)
+            status = seq.status
+            if detok.stopped_by is not None and not status.is_finished:
+                self.engine.abort(seq, SequenceStatus.FINISHED_STOPPED)
+                status = seq.status
+            if status.is_finished:
+                text += detok.flush() if detok.stopped_by is None else ""
+            sent = req.num_logprobs_sent[index]
+            logprobs = None
+            if seq.params.logprobs:
+                out_ids = seq.output_token_ids
+                logprobs = [(out_ids[k], lp, tops) for k, (lp, tops)
+                            in enumerate(seq.logprobs) if k >= sent]
+                req.num_logprobs_sent[index] = len(seq.logprobs)
+            chunk = CompletionChunk(
+                index, text, [token], seq.finish_reason, detok.stopped_by, logprobs,
+                seq.num_prompt_tokens, seq.num_cached_tokens, seq.num_output_tokens)
+            req.loop.call_soon_threadsafe(req.queue.put_nowait, chunk)
+            if all(s.status.is_finished for s in req.seqs):
+                self._requests.pop(seq.request_id, None)
+
+    def _fail_all(self, error: Exception) -> None:
+        for req in list(self._requests.values()):
+            for seq in req.seqs:
+                self.engine.abort(seq)
+            req.loop.call_soon_threadsafe(req.queue.put_nowait, error)
+        self._requests.clear()
+
+
+def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
+    from dataclasses import replace
+
+    return replace(params, seed=seed)
+
+
+def load_engine(stored, config: EngineConfig | None = None, device=None, dtype=None):
+    """Load a stored model and its tokenizer into an AsyncEngine."""
+    from server.models.device import pick_device, pick_dtype
+    from server.models.loader import load_model
+    from server.models.tokenizer import load_tokenizer
+
+    device = pick_device(device) if not isinstance(device, torch.device) else device
+    dtype = dtype or pick_dtype(device)
+    loaded = load_model(stored, device, dtype)
+    engine = Engine(loaded.model, config or EngineConfig(), device, dtype)
+    eos = tuple(stored.manifest["tokenizer"]["eos_token_ids"])
+    return AsyncEngine(engine, load_tokenizer(stored), eos)

@@ -1,0 +1,70 @@
+"""Runs one scheduled step: builds the flat batch, one forward, samples, one host sync."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from server.engine.sampler import Sampler
+from server.engine.scheduler import SchedulerOutput
+from server.models.attention import build_metadata
+
+
+@dataclass(slots=True)
+class StepResult:
+    token_ids: list[int]  # one per sampling sequence, in batch order
+    logprobs: list[float] | None
+    top_logprobs: list[list[tuple[int, float]]] | None
+
+
+def kv_bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
+    """Keys and values of every layer for one block."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * elem
+
+
+class ModelRunner:
+    def __init__(self, model, num_blocks: int, block_size: int, device, dtype) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.device, self.dtype = device, dtype
+        c = model.config
+        shape = (num_blocks * block_size, c.num_kv_heads, c.head_dim)  # flat slots per layer
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=dtype, device=device),
+             torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(c.num_layers)
+        ]
+        self.sampler = Sampler()
+
+    @torch.inference_mode()
+    def run(self, out: SchedulerOutput) -> StepResult:
+        seqs, num_new = out.seqs, out.num_new_tokens
+        input_ids: list[int] = []
+        seq_lens = []
+        for seq, n in zip(seqs, num_new, strict=True):
+            start = seq.num_computed_tokens
+            input_ids += seq.token_ids[start:start + n]
+            seq_lens.append(start + n)
+        meta = build_metadata(num_new, seq_lens, [s.block_table for s in seqs],
+                              self.block_size, self.device, self.dtype)
+        hidden = self.model(torch.tensor(input_ids, device=self.device), self.kv_caches, meta)
+        # Logits only for the last token of each sequence that samples this step.
+        last = torch.tensor(num_new).cumsum(0) - 1
+        rows = last[torch.tensor(out.is_sampling, dtype=torch.bool)]
+        sampling = [s for s, flag in zip(seqs, out.is_sampling, strict=True) if flag]
+        if not sampling:
+            return StepResult([], None, None)
+        logits = self.model.compute_logits(hidden[rows.to(self.device)])
+        result = self.sampler(logits, sampling)
+        # The step's one host sync: everything needed on the host comes over together.
+        token_ids = result.token_ids.tolist()
+        if result.logprobs is None:
+            return StepResult(token_ids, None, None)
+        logprobs = result.logprobs.tolist()
+        tops = None
+        if result.top_ids is not None:
+            ids, lps = result.top_ids.tolist(), result.top_logprobs.tolist()
+            tops = [list(zip(i, lp, strict=True)) for i, lp in zip(ids, lps, strict=True)]
+        return StepResult(token_ids, logprobs, tops)

@@ -1,0 +1,226 @@
+"""Continuous batching with chunked prefill, prefix caching and preemption. No torch.
+
+Each step has a token budget (max_num_batched_tokens) and a cap on sequences (max_num_seqs).
+Running sequences are served first, most important first: a decoding sequence needs one
+token, a sequence still prefilling takes the next chunk of its prompt. Waiting requests then
+fill what is left of the budget, in priority order. A request joins at the next step; a
+finished one leaves at once and its blocks serve the next step.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from dataclasses import dataclass, field
+
+from server.engine.block_manager import BlockManager
+from server.engine.sequence import Sequence, SequenceStatus
+
+
+class RequestTooLargeError(ValueError):
+    """The request can never fit: beyond the model's context or the whole KV pool."""
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """What one step computes."""
+
+    seqs: list[Sequence] = field(default_factory=list)  # scheduled sequences, in batch order
+    num_new_tokens: list[int] = field(default_factory=list)  # tokens each computes this step
+    is_sampling: list[bool] = field(default_factory=list)  # reaches its last known token
+    preempted: list[Sequence] = field(default_factory=list)  # lost their blocks this step
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 512,
+        max_model_len: int = 2048,
+    ) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: list[Sequence] = []  # sorted by (priority, order of arrival)
+        self.running: list[Sequence] = []  # sorted by (priority, admission): the tail goes first
+        self._order = itertools.count()
+        self._waiting_keys: list[tuple[int, int]] = []
+        self.num_preemptions = 0
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a sequence, or refuse it now if it could never run."""
+        self.check(seq)
+        self._enqueue(seq)
+
+    def check(self, seq: Sequence) -> None:
+        """Raise RequestTooLargeError if seq could never run (reads only constants)."""
+        need = seq.num_prompt_tokens + seq.params.max_tokens
+        if need > self.max_model_len:
+            raise RequestTooLargeError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {need} tokens ({seq.num_prompt_tokens} in the messages, "
+                f"{seq.params.max_tokens} in the completion)."
+            )
+        bm = self.block_manager
+        if -(-need // bm.block_size) > len(bm.blocks):
+            raise RequestTooLargeError(
+                f"The request needs {need} tokens of KV cache but the whole pool holds "
+                f"{len(bm.blocks) * bm.block_size}."
+            )
+
+    def abort(self, seq: Sequence, status: SequenceStatus = SequenceStatus.FINISHED_ABORTED):
+        """Finish seq now (client gone, stop string seen); its blocks are free for the next step."""
+        if seq.status.is_finished:
+            return
+        if seq in self.running:
+            self.running.remove(seq)
+            self.block_manager.free(seq)
+        elif seq in self.waiting:
+            i = self.waiting.index(seq)
+            del self.waiting[i], self._waiting_keys[i]
+        seq.status = status
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        # Every sequence is "computed tokens catch up with known tokens": a new prompt starts
+        # at 0 (or at its prefix-cache hit), a chunk of a long prompt advances it by the chunk,
+        # a decode computes the one token sampled last step, and a preempted sequence falls back
+        # to 0 and catches up again (mostly from the prefix cache). Sampling happens when a
+        # sequence's computed tokens reach its known tokens.
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        bm = self.block_manager
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not bm.can_append(seq, n):
+                victim = self.running[-1]  # lowest priority, most recently admitted
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            if seq.status != SequenceStatus.RUNNING:
+                break  # it preempted itself: everything behind it is gone too
+            bm.append_slots(seq, n)
+            self._schedule(out, seq, n)
+            budget -= n
+            i += 1
+
+        j = 0
+        running_was_short = bool(out.preempted)  # no admissions while running seqs lack memory
+        while j < len(self.waiting) and budget > 0 and not running_was_short:
+            seq = self.waiting[j]
+            if seq.leader is not None and not _prompt_cached(seq.leader):
+                j += 1  # n > 1: siblings wait to share the leader's cached prompt blocks
+                continue
+            hits = bm.match_prefix(seq)
+            n = min(seq.num_tokens - len(hits) * bm.block_size, budget)
+            if len(self.running) >= self.max_num_seqs or not bm.can_allocate(seq, n, hits):
+                refund = self._preempt_lower(seq, out)
+                if refund is None:
+                    break
+                budget += refund
+                continue
+            del self.waiting[j], self._waiting_keys[j]
+            bm.allocate(seq, n, hits)
+            seq.status = SequenceStatus.RUNNING
+            seq.arrival = next(self._order)
+            self.running.append(seq)  # newest of its priority: keep the sort
+            self.running.sort(key=lambda s: (s.priority, s.arrival))
+            self._schedule(out, seq, n)
+            budget -= n
+        return out
+
+    def update(self, out: SchedulerOutput, sampled: list[int]) -> list[Sequence]:
+        """Advance counters with the step's results; returns the sequences that finished."""
+        finished = []
+        tokens = iter(sampled)
+        for seq, n, samples in zip(out.seqs, out.num_new_tokens, out.is_sampling, strict=True):
+            token = next(tokens) if samples else None
+            if seq.status != SequenceStatus.RUNNING:
+                continue  # aborted while the step ran
+            seq.num_computed_tokens += n
+            self.block_manager.cache_full_blocks(seq)
+            if token is None:
+                continue
+            seq.token_ids.append(token)
+            status = self._stop_status(seq, token)
+            if status is not None:
+                self.running.remove(seq)
+                self.block_manager.free(seq)
+                seq.status = status
+                finished.append(seq)
+        return finished
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _schedule(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
+        out.seqs.append(seq)
+        out.num_new_tokens.append(n)
+        out.is_sampling.append(seq.num_computed_tokens + n == seq.num_tokens)
+
+    def _stop_status(self, seq: Sequence, token: int) -> SequenceStatus | None:
+        p = seq.params
+        if (not p.ignore_eos and token in seq.eos_token_ids) or token in p.stop_token_ids:
+            return SequenceStatus.FINISHED_STOPPED
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return SequenceStatus.FINISHED_LENGTH
+        return None
+
+    def _enqueue(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        key = (seq.priority, next(self._order))
+        i = bisect.bisect(self._waiting_keys, key)
+        self._waiting_keys.insert(i, key)
+        self.waiting.insert(i, seq)
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Free seq's blocks and send it back to wait; it recomputes from its prefix later."""
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted.append(seq)
+        # Back in line by priority, ahead of every new arrival of its priority.
+        seq.status = SequenceStatus.WAITING
+        key = (seq.priority, seq.arrival - (1 << 62))
+        i = bisect.bisect(self._waiting_keys, key)
+        self._waiting_keys.insert(i, key)
+        self.waiting.insert(i, seq)
+
+    def _preempt_lower(self, seq: Sequence, out: SchedulerOutput) -> int | None:
+        """Make room for a waiting seq by preempting a running one of lower priority (taking it
+        out of this step if it was scheduled). Returns the tokens refunded to the budget, or
+        None when nothing of lower priority runs."""
+        if not self.running or self.running[-1].priority <= seq.priority:
+            return None
+        victim = self.running[-1]
+        refund = 0
+        if victim in out.seqs:
+            k = out.seqs.index(victim)
+            refund = out.num_new_tokens[k]
+            del out.seqs[k], out.num_new_tokens[k], out.is_sampling[k]
+        self._preempt(victim, out)
+        return refund
+
+
+def _prompt_cached(seq: Sequence) -> bool:
+    return seq.status.is_finished or seq.num_computed_tokens >= seq.num_prompt_tokens

@@ -1,0 +1,109 @@
+"""A request's state: counters, not phases.
+
+Prefill, chunked prefill, prefix-cache hits, decoding and preemption are all the same thing:
+`num_computed_tokens` catching up with `len(token_ids)`.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+
+class SequenceStatus(enum.IntEnum):
+    """Ordered: everything from FINISHED_STOPPED on is final."""
+
+    WAITING = 0
+    RUNNING = 1
+    FINISHED_STOPPED = 2  # an end-of-turn token, a stop token id or a stop string
+    FINISHED_LENGTH = 3  # max_tokens or the model's context
+    FINISHED_ABORTED = 4  # the client went away or cancelled
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= SequenceStatus.FINISHED_STOPPED
+
+
+FINISH_REASONS = {
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
+}
+
+# Lower value runs first.
+PRIORITY_INTERACTIVE = 0
+PRIORITY_BATCH = 10
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """Per-request sampling settings (OpenAI's names where OpenAI has them)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    stop_token_ids: tuple[int, ...] = ()  # besides the model's end-of-turn ids
+    stop: tuple[str, ...] = ()  # stop strings, handled by the detokenizer
+    ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+    n: int = 1
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+_seq_ids = itertools.count()
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """One generated continuation. `token_ids` holds the prompt followed by the output."""
+
+    token_ids: list[int]
+    params: SamplingParams
+    priority: int = PRIORITY_INTERACTIVE
+    cache_salt: str = ""  # tenant: blocks are only shared between equal salts
+    request_id: str = ""
+    seq_id: int = field(default_factory=lambda: next(_seq_ids))
+    num_prompt_tokens: int = 0
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
+    block_table: list[int] = field(default_factory=list)
+    num_hashed_blocks: int = 0  # leading blocks already registered in the prefix cache
+    last_block_hash: bytes | None = None  # hash of block num_hashed_blocks - 1 (chain parent)
+    status: SequenceStatus = SequenceStatus.WAITING
+    arrival: int = 0  # admission order, set by the scheduler; the newest is preempted first
+    num_preemptions: int = 0
+    eos_token_ids: tuple[int, ...] = ()
+    leader: Sequence | None = None  # n > 1: wait until the leader's prompt is cached
+    logprobs: list = field(default_factory=list)  # per output token, when asked
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.token_ids)  # owned: outputs are appended to it
+        self.num_prompt_tokens = self.num_prompt_tokens or len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def finish_reason(self) -> str | None:
+        return FINISH_REASONS.get(self.status)
