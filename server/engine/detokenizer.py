@@ -43,7 +43,7 @@ class IncrementalDetokenizer:
         if self.stopped_by is None and self.read_offset < len(self.token_ids):
             full = self._decode(self.token_ids[self.prefix_offset:])
             prefix = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
-            self.text += full[len(prefix):].rstrip("\ufffd")
+            self.text += full[len(prefix):]  # an unfinished character ends as U+FFFD
             self.read_offset = len(self.token_ids)
         return self._emit(final=True)
 

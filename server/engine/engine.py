@@ -255,8 +255,11 @@ class AsyncEngine:
                 index, text, [token], seq.finish_reason, detok.stopped_by, logprobs,
                 seq.num_prompt_tokens, seq.num_cached_tokens, seq.num_output_tokens)
             req.loop.call_soon_threadsafe(req.queue.put_nowait, chunk)
-            if all(s.status.is_finished for s in req.seqs):
-                self._requests.pop(seq.request_id, None)
+        # Only now: several of a request's n choices can finish in the same step.
+        for seq in touched:
+            req = self._requests.get(seq.request_id)
+            if req is not None and all(s.status.is_finished for s in req.seqs):
+                del self._requests[seq.request_id]
 
     def _fail_all(self, error: Exception) -> None:
         for req in list(self._requests.values()):
