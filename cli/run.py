@@ -1,8 +1,9 @@
-"""`localserve run NAME ["prompt"]`: a one-shot answer, or a chat in the terminal."""
+"""`localserve run NAME ["prompt"]`: a one-shot answer, or a chat in the terminal, streamed."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
 
 
@@ -10,44 +11,62 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help="answer a prompt (or chat) with a stored model")
     p.add_argument("name", help="stored model, e.g. smollm2-135m:int4")
     p.add_argument("prompt", nargs="?", help="one-shot prompt; omit for an interactive chat")
-    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--max-tokens", type=int, default=512)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    p.add_argument("--seed", type=int, default=None)
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: auto)")
     p.add_argument("--dtype", default=None, choices=("bf16", "fp32"), help="default: auto")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from server.models.device import pick_device, pick_dtype
-    from server.models.loader import load_model
-    from server.models.simple import greedy_generate
-    from server.models.tokenizer import chat_prompt_ids, load_tokenizer
+    from server.engine.engine import EngineConfig, load_engine
+    from server.engine.sequence import SamplingParams
+    from server.models.tokenizer import chat_prompt_ids
     from storage.models import ModelStore
 
+    if args.max_tokens < 1:
+        raise ValueError("--max-tokens must be at least 1")
     stored = ModelStore().resolve(args.name)
-    device = pick_device(args.device)
-    loaded = load_model(stored, device, pick_dtype(device, args.dtype))
-    tokenizer = load_tokenizer(stored)
-    eos = tuple(stored.manifest["tokenizer"]["eos_token_ids"])
+    engine = load_engine(stored, EngineConfig(max_num_seqs=4), args.device, _dtype(args.dtype))
     messages: list[dict[str, str]] = []
+    context = engine.engine.max_model_len
 
-    def answer(prompt: str) -> str:
+    async def answer(prompt: str) -> None:
         messages.append({"role": "user", "content": prompt})
-        ids = greedy_generate(loaded.model, chat_prompt_ids(tokenizer, messages),
-                              args.max_tokens, eos)
-        text = tokenizer.decode(ids, skip_special_tokens=True).strip()
-        messages.append({"role": "assistant", "content": text})
-        return text
+        ids = await asyncio.to_thread(chat_prompt_ids, engine.tokenizer, messages)
+        max_tokens = min(args.max_tokens, context - len(ids))
+        if max_tokens < 1:
+            raise ValueError(f"the conversation no longer fits the model's {context} tokens")
+        params = SamplingParams(max_tokens=max_tokens, temperature=args.temperature,
+                                seed=args.seed)
+        text = []
+        async for chunk in engine.generate(ids, params):
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+            text.append(chunk.text)
+        sys.stdout.write("\n")
+        messages.append({"role": "assistant", "content": "".join(text).strip()})
 
-    if args.prompt is not None:
-        print(answer(args.prompt))
-        return 0
-    while True:
-        try:
-            prompt = input(">>> ")
-        except EOFError:
-            print(file=sys.stderr)
+    try:
+        if args.prompt is not None:
+            asyncio.run(answer(args.prompt))
             return 0
-        if prompt.strip() in ("/bye", "/exit"):
-            return 0
-        if prompt.strip():
-            print(answer(prompt))
+        while True:
+            try:
+                prompt = input(">>> ")
+            except EOFError:
+                print(file=sys.stderr)
+                return 0
+            if prompt.strip() in ("/bye", "/exit"):
+                return 0
+            if prompt.strip():
+                asyncio.run(answer(prompt))
+    finally:
+        engine.shutdown()
+
+
+def _dtype(name: str | None):
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp32": torch.float32}.get(name)

@@ -43,3 +43,40 @@ def test_answers_paris(pulled, real_home, tag):
                       "--max-tokens", "24")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Paris" in proc.stdout
+
+
+def test_engine_greedy_equals_transformers_on_bf16(pulled):
+    """The real model's bf16 weights in fp32: our engine's greedy tokens equal transformers'."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from server.engine.engine import Engine, EngineConfig
+    from server.engine.sequence import SamplingParams, Sequence
+    from server.models.loader import load_model
+    from server.models.tokenizer import chat_prompt_ids, load_tokenizer
+
+    stored = pulled.resolve("smollm2-135m:bf16")
+    cpu = torch.device("cpu")
+    hf_config = AutoConfig.for_model(**stored.manifest["config"])
+    hf = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    state = {k: v.float() for k, v in load_file(str(stored.path / "model.safetensors")).items()}
+    hf.load_state_dict(state, strict=False)
+    hf.tie_weights()
+    hf.eval()
+    tokenizer = load_tokenizer(stored)
+    prompts = [chat_prompt_ids(tokenizer, [{"role": "user", "content": q}]) for q in
+               ("What is the capital of France?", "Name three colors.", "Write a haiku.")]
+    ours = load_model(stored, cpu, torch.float32).model
+    engine = Engine(ours, EngineConfig(num_blocks=64), cpu, torch.float32)
+    seqs = [Sequence(p, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+            for p in prompts]
+    for s in seqs:
+        engine.add(s)
+    while engine.has_unfinished:
+        engine.step()
+    for s, p in zip(seqs, prompts, strict=True):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+        assert s.output_token_ids == ref

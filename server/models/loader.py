@@ -10,6 +10,7 @@ from torch import nn
 from server.models import model_class
 from server.models.config import ModelConfig
 from server.quant import apply_quantization, prepare_quantized
+from server.quant.int4 import Int4Linear
 from server.quant.int8 import Int8Embedding
 from storage.models import StoredModel
 
@@ -43,7 +44,8 @@ def build_model(
     if missing or unexpected:
         raise ValueError(f"weights do not match the config: missing {missing[:3]}, "
                          f"unexpected {unexpected[:3]}")
-    model.to(device=device, dtype=dtype)  # int tensors keep their dtype; floats take `dtype`
+    model.to(device=device)
+    cast_floating(model, dtype)
     if tied:
         embed = model.model.embed_tokens
         if isinstance(embed, Int8Embedding):
@@ -53,6 +55,19 @@ def build_model(
             model.lm_head.weight = embed.weight
     prepare_quantized(model, use_kernels)
     return model.eval().requires_grad_(False)
+
+
+def cast_floating(model: nn.Module, dtype: torch.dtype) -> None:
+    """Floating tensors take the compute dtype, except int4 scales and zeros, which keep the
+    precision they were stored in (fp16)."""
+    for module in model.modules():
+        keep = ("weight_scale", "weight_zero") if isinstance(module, Int4Linear) else ()
+        for name, t in module.named_parameters(recurse=False):
+            if t.is_floating_point() and name not in keep:
+                module._parameters[name] = nn.Parameter(t.to(dtype), requires_grad=False)
+        for name, t in module.named_buffers(recurse=False):
+            if t is not None and t.is_floating_point() and name not in keep:
+                module._buffers[name] = t.to(dtype)
 
 
 def load_model(
