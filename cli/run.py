@@ -14,6 +14,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=512)
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--kv-cache-mb", type=int, default=None,
+                   help="KV cache pool size (default: a fifth of available memory)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: auto)")
     p.add_argument("--dtype", default=None, choices=("bf16", "fp32"), help="default: auto")
     p.set_defaults(func=run)
@@ -28,7 +30,9 @@ def run(args: argparse.Namespace) -> int:
     if args.max_tokens < 1:
         raise ValueError("--max-tokens must be at least 1")
     stored = ModelStore().resolve(args.name)
-    engine = load_engine(stored, EngineConfig(max_num_seqs=4), args.device, _dtype(args.dtype))
+    kv_bytes = args.kv_cache_mb << 20 if args.kv_cache_mb else None
+    engine = load_engine(stored, EngineConfig(max_num_seqs=4, kv_cache_bytes=kv_bytes),
+                         args.device, _dtype(args.dtype))
     messages: list[dict[str, str]] = []
     context = engine.engine.max_model_len
 

@@ -29,7 +29,7 @@ from server.engine.sequence import (
 class EngineConfig:
     block_size: int = 16
     num_blocks: int | None = None  # default: from kv_cache_bytes
-    kv_cache_bytes: int = 256 << 20  # KV pool budget when num_blocks is not given
+    kv_cache_bytes: int | None = None  # KV pool budget; default: default_kv_cache_bytes()
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None  # default: the model's context
@@ -58,8 +58,9 @@ class Engine:
     def __init__(self, model, config: EngineConfig, device, dtype) -> None:
         model_len = model.config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or model_len, model_len)
+        budget = config.kv_cache_bytes or default_kv_cache_bytes(device)
         num_blocks = config.num_blocks or max(
-            1, config.kv_cache_bytes // kv_bytes_per_block(model.config, config.block_size, dtype))
+            1, budget // kv_bytes_per_block(model.config, config.block_size, dtype))
         self.config = config
         self.block_manager = BlockManager(num_blocks, config.block_size,
                                           config.enable_prefix_caching)
@@ -96,6 +97,23 @@ class Engine:
                 seq.logprobs.append((result.logprobs[k], tops))
         for seq in finished:
             self.runner.sampler.release(seq)
+
+    def stats(self) -> dict[str, Any]:
+        """A snapshot of the counters behind /metrics."""
+        bm, sched, m = self.block_manager, self.scheduler, self.metrics
+        return {
+            "num_running": len(sched.running),
+            "num_waiting": len(sched.waiting),
+            "kv_blocks_used": bm.num_used_blocks,
+            "kv_blocks_total": len(bm.blocks),
+            "prefix_cache_queries": bm.num_cache_queries,
+            "prefix_cache_hits": bm.num_cache_hits,
+            "num_preemptions": sched.num_preemptions,
+            "prompt_tokens": dict(m.num_prompt_tokens),
+            "generation_tokens": dict(m.num_generation_tokens),
+            "num_steps": m.num_steps,
+            "step_seconds": m.step_seconds,
+        }
 
     def abort(self, seq: Sequence, status=SequenceStatus.FINISHED_ABORTED) -> None:
         self.scheduler.abort(seq, status)
@@ -267,6 +285,22 @@ class AsyncEngine:
                 self.engine.abort(seq)
             req.loop.call_soon_threadsafe(req.queue.put_nowait, error)
         self._requests.clear()
+
+
+def default_kv_cache_bytes(device) -> int:
+    """A fifth of the memory available now (CPU) or 80% of free GPU memory, within limits."""
+    if torch.device(device).type == "cuda":
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        return int(free * 0.8)
+    available = 4 << 30
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return max(64 << 20, min(available // 5, 4 << 30))
 
 
 def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:

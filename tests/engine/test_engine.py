@@ -152,3 +152,16 @@ def test_logprobs_recorded(llama):
     for token, (lp, tops) in zip(s.output_token_ids, s.logprobs, strict=True):
         assert len(tops) == 3 and tops[0][0] == token  # greedy: the top token was chosen
         assert lp == pytest.approx(tops[0][1]) and lp <= 0
+
+
+def test_stats_and_pool_sizing(llama):
+    engine = Engine(llama, EngineConfig(kv_cache_bytes=1 << 20), CPU, torch.float32)
+    # Tiny llama: 2 layers x 16 tokens x 2 kv heads x 32 dims x 4 bytes x (k, v) = 16 KiB/block.
+    assert len(engine.block_manager.blocks) == (1 << 20) // (2 * 2 * 16 * 2 * 32 * 4) == 64
+    s = Sequence(prompt(40, 1), greedy(3))
+    engine.add(s)
+    engine.step()
+    stats = engine.stats()
+    assert stats["num_running"] == 1 and stats["kv_blocks_used"] == 3  # ceil(40 / 16)
+    assert stats["prefix_cache_queries"] == 40 and stats["prefix_cache_hits"] == 0
+    assert stats["prompt_tokens"] == {0: 40} and stats["generation_tokens"] == {0: 1}

@@ -1,0 +1,72 @@
+"""Aggregate decode tokens/s of the engine at several batch sizes (no HTTP).
+
+    python benchmarks/engine_throughput.py smollm2-135m:int4 smollm2-135m:bf16
+
+For each model and each number of concurrent sequences, N distinct chat prompts are prefilled,
+then decoded for --tokens steps with ignore_eos; only the all-decode steps are timed. Prints a
+markdown table (the one in the README).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from server.engine.engine import Engine, EngineConfig
+from server.engine.sequence import SamplingParams, Sequence
+from server.models.device import pick_device, pick_dtype
+from server.models.loader import load_model
+from server.models.tokenizer import chat_prompt_ids, load_tokenizer
+from storage.models import ModelStore
+
+TOPICS = ["rivers", "bread", "chess", "volcanoes", "bees", "trains", "clouds", "music"]
+
+
+def measure(model, tokenizer, device, dtype, num_seqs: int, num_tokens: int) -> float:
+    engine = Engine(model, EngineConfig(num_blocks=2048, max_num_seqs=max(64, num_seqs),
+                                        max_num_batched_tokens=2048), device, dtype)
+    for i in range(num_seqs):
+        question = f"Tell me about {TOPICS[i % len(TOPICS)]} (note {i})."
+        ids = chat_prompt_ids(tokenizer, [{"role": "user", "content": question}])
+        engine.add(Sequence(ids, SamplingParams(max_tokens=num_tokens, temperature=0.0,
+                                                ignore_eos=True)))
+    decoded, seconds = 0, 0.0
+    while engine.has_unfinished:
+        t = time.perf_counter()
+        out = engine.step().scheduled
+        dt = time.perf_counter() - t
+        if all(n == 1 for n in out.num_new_tokens):
+            decoded += len(out.seqs)
+            seconds += dt
+    return decoded / seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("models", nargs="+")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16, 32])
+    parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--dtype", default=None, choices=("bf16", "fp32"))
+    args = parser.parse_args()
+    device = pick_device()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"CPU capability {torch.backends.cpu.get_cpu_capability()}")
+    print("| model | dtype | " + " | ".join(f"{b} seqs" for b in args.batch) + " | 16 vs 1 |")
+    print("| --- | --- |" + " --- |" * (len(args.batch) + 1))
+    for name in args.models:
+        stored = ModelStore().resolve(name)
+        dtype = pick_dtype(device, args.dtype)
+        model = load_model(stored, device, dtype).model
+        tokenizer = load_tokenizer(stored)
+        measure(model, tokenizer, device, dtype, 2, 4)  # warm-up
+        rates = {b: measure(model, tokenizer, device, dtype, b, args.tokens) for b in args.batch}
+        ratio = f"{rates[16] / rates[1]:.1f}x" if 1 in rates and 16 in rates else "-"
+        cells = " | ".join(f"{rates[b]:.0f} tok/s" for b in args.batch)
+        print(f"| {stored.name} | {str(dtype).removeprefix('torch.')} | {cells} | {ratio} |",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
