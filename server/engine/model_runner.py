@@ -9,6 +9,7 @@ import torch
 from server.engine.sampler import Sampler
 from server.engine.scheduler import SchedulerOutput
 from server.models.attention import build_metadata
+from server.models.simple import allocate_kv
 
 
 @dataclass(slots=True)
@@ -29,13 +30,7 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.device, self.dtype = device, dtype
-        c = model.config
-        shape = (num_blocks * block_size, c.num_kv_heads, c.head_dim)  # flat slots per layer
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype, device=device),
-             torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(c.num_layers)
-        ]
+        self.kv_caches = allocate_kv(model, num_blocks * block_size, device, dtype)
         self.sampler = Sampler()
 
     @torch.inference_mode()

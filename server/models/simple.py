@@ -13,6 +13,7 @@ from server.models.attention import build_metadata
 
 
 def allocate_kv(model: nn.Module, num_slots: int, device, dtype) -> list[tuple[torch.Tensor, ...]]:
+    """Per layer, (keys, values) of shape [num_slots, num_kv_heads, head_dim]: flat slots."""
     c = model.config
     shape = (num_slots, c.num_kv_heads, c.head_dim)
     return [(torch.zeros(shape, device=device, dtype=dtype),
