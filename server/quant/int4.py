@@ -12,48 +12,27 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-SUPPORTED_GROUP_SIZES = (32, 64, 128, 256)
+SUPPORTED_GROUP_SIZES = (32, 64, 128, 256)  # what the tinygemm kernels accept
+KERNEL_DTYPE = torch.bfloat16  # tinygemm's activations, scales and zeros
 
 
 def quantize_int4(
     w: torch.Tensor, group_size: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """[N, K] float -> (q [N, K] uint8 in 0..15, scale [N, K/g] fp16, zero [N, K/g] fp16).
-
-    Each group's grid starts at its minimum; its step is (max - min) / k for the k in 1..15
-    with the smallest squared error. k = 15 is plain min/max rounding; a smaller k recovers the
-    exact grid of weights that were already 4-bit (a GGUF Q4_1 source whose group used fewer
-    than 16 levels), where min/max rounding would move every value.
-    """
+    """[N, K] float -> (q [N, K] uint8 in 0..15, scale [N, K/g] fp16, zero [N, K/g] fp16)."""
     n, k = w.shape
+    if group_size not in SUPPORTED_GROUP_SIZES:
+        raise ValueError(f"int4 group size must be one of {SUPPORTED_GROUP_SIZES}")
     if k % group_size:
         raise ValueError(f"in_features {k} is not a multiple of group size {group_size}")
     g = w.float().reshape(n, k // group_size, group_size)
     lo, hi = g.amin(dim=-1), g.amax(dim=-1)  # [N, K/g]
-    best = None
-    for levels in range(15, 0, -1):
-        q, scale, zero = _round_to_grid(g, lo, (hi - lo) / levels)
-        err = ((q.float() - 8.0) * scale.float()[..., None] + zero.float()[..., None] - g)
-        err = err.pow(2).sum(dim=-1)  # [N, K/g]
-        if best is None:
-            best = (err, q, scale, zero)
-            continue
-        better = err < best[0]
-        best = (torch.where(better, err, best[0]), torch.where(better[..., None], q, best[1]),
-                torch.where(better, scale, best[2]), torch.where(better, zero, best[3]))
-    _, q, scale, zero = best
-    return q.reshape(n, k), scale, zero
-
-
-def _round_to_grid(
-    g: torch.Tensor, lo: torch.Tensor, step: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # Round scale and zero to their stored fp16 first so q is chosen against those values.
-    scale = step.clamp(min=1e-6).to(torch.float16)
+    scale = ((hi - lo) / 15.0).clamp(min=1e-6).to(torch.float16)
     zero = (lo + 8.0 * scale.float()).to(torch.float16)
     base = zero.float() - 8.0 * scale.float()  # the value of q = 0
     q = torch.round((g - base[..., None]) / scale.float()[..., None]).clamp(0, 15)
-    return q.to(torch.uint8), scale, zero
+    return q.reshape(n, k).to(torch.uint8), scale, zero
 
 
 def dequantize_int4(
@@ -93,8 +72,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("weight_zero", torch.empty(out_features, groups))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.kernel_weight: torch.Tensor | None = None  # tinygemm layout, when a kernel applies
-        self.scales_and_zeros: torch.Tensor | None = None  # [K/g, N, 2] in kernel_dtype
-        self.kernel_dtype = torch.bfloat16
+        self.scales_and_zeros: torch.Tensor | None = None  # [K/g, N, 2] in KERNEL_DTYPE
 
     def prepare(self, use_kernel: bool = True) -> None:
         """Convert to the device kernel's layout once weights sit on their device.
@@ -117,11 +95,11 @@ class Int4Linear(nn.Module):
         self.kernel_weight = packed
         self.scales_and_zeros = torch.stack(
             (self.weight_scale.t(), self.weight_zero.t()), dim=-1
-        ).to(self.kernel_dtype).contiguous()
+        ).to(KERNEL_DTYPE).contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel_weight is not None:
-            x2 = x.reshape(-1, self.in_features).to(self.kernel_dtype)
+            x2 = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)
             if x.device.type == "cpu":
                 y = torch.ops.aten._weight_int4pack_mm_for_cpu(
                     x2, self.kernel_weight, self.group_size, self.scales_and_zeros
