@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
     stored = ModelStore().resolve(args.name)
     kv_bytes = args.kv_cache_mb << 20 if args.kv_cache_mb else None
     engine = load_engine(stored, EngineConfig(max_num_seqs=4, kv_cache_bytes=kv_bytes),
-                         args.device, _dtype(args.dtype))
+                         args.device, args.dtype)
     messages: list[dict[str, str]] = []
     context = engine.engine.max_model_len
 
@@ -69,8 +69,3 @@ def run(args: argparse.Namespace) -> int:
     finally:
         engine.shutdown()
 
-
-def _dtype(name: str | None):
-    import torch
-
-    return {"bf16": torch.bfloat16, "fp32": torch.float32}.get(name)

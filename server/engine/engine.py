@@ -46,7 +46,7 @@ class StepOutput:
 class Metrics:
     """Counters for /metrics; the engine thread writes, readers take snapshots."""
 
-    num_prompt_tokens: dict[int, int] = field(default_factory=dict)  # by priority
+    num_prompt_tokens: dict[int, int] = field(default_factory=dict)  # computed, by priority
     num_generation_tokens: dict[int, int] = field(default_factory=dict)  # by priority
     num_steps: int = 0
     step_seconds: float = 0.0
@@ -146,7 +146,6 @@ class _Request:
     detokenizers: list[IncrementalDetokenizer]
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
-    num_logprobs_sent: list[int]
 
 
 class AsyncEngine:
@@ -184,7 +183,7 @@ class AsyncEngine:
             seqs.append(seq)
         req = _Request(request_id, seqs,
                        [IncrementalDetokenizer(self.tokenizer, params.stop) for _ in seqs],
-                       asyncio.get_running_loop(), asyncio.Queue(), [0] * len(seqs))
+                       asyncio.get_running_loop(), asyncio.Queue())
         for seq in seqs:  # refuse synchronously: too-large requests never reach the thread
             self.engine.scheduler.check(seq)
         self._inbox.put(("add", req))
@@ -262,13 +261,10 @@ class AsyncEngine:
                 status = seq.status
             if status.is_finished:
                 text += detok.flush() if detok.stopped_by is None else ""
-            sent = req.num_logprobs_sent[index]
             logprobs = None
-            if seq.params.logprobs:
-                out_ids = seq.output_token_ids
-                logprobs = [(out_ids[k], lp, tops) for k, (lp, tops)
-                            in enumerate(seq.logprobs) if k >= sent]
-                req.num_logprobs_sent[index] = len(seq.logprobs)
+            if seq.params.logprobs:  # one entry per sampled token, this step's is the last
+                lp, tops = seq.logprobs[-1]
+                logprobs = [(token, lp, tops)]
             chunk = CompletionChunk(
                 index, text, [token], seq.finish_reason, detok.stopped_by, logprobs,
                 seq.num_prompt_tokens, seq.num_cached_tokens, seq.num_output_tokens)
@@ -307,14 +303,18 @@ def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
     return replace(params, seed=seed)
 
 
-def load_engine(stored, config: EngineConfig | None = None, device=None, dtype=None):
-    """Load a stored model and its tokenizer into an AsyncEngine."""
+def load_engine(
+    stored, config: EngineConfig | None = None, device: str | None = None,
+    dtype: str | None = None,
+) -> AsyncEngine:
+    """Load a stored model and its tokenizer into an AsyncEngine (device/dtype by name or
+    automatic)."""
     from server.models.device import pick_device, pick_dtype
     from server.models.loader import load_model
     from server.models.tokenizer import load_tokenizer
 
-    device = pick_device(device) if not isinstance(device, torch.device) else device
-    dtype = dtype or pick_dtype(device)
+    device = pick_device(device)
+    dtype = pick_dtype(device, dtype)
     loaded = load_model(stored, device, dtype)
     engine = Engine(loaded.model, config or EngineConfig(), device, dtype)
     eos = tuple(stored.manifest["tokenizer"]["eos_token_ids"])

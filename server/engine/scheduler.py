@@ -142,8 +142,8 @@ class Scheduler:
             bm.allocate(seq, n, hits)
             seq.status = SequenceStatus.RUNNING
             seq.arrival = next(self._order)
-            self.running.append(seq)  # newest of its priority: keep the sort
-            self.running.sort(key=lambda s: (s.priority, s.arrival))
+            # Newest of its priority: after every running sequence of equal or higher priority.
+            bisect.insort(self.running, seq, key=lambda s: (s.priority, s.arrival))
             self._schedule(out, seq, n)
             budget -= n
         return out

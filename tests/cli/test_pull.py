@@ -238,3 +238,20 @@ def test_pull_gguf_file(home, tmp_path, capsys):
     tok = load_tokenizer(stored)
     ids = chat_prompt_ids(tok, [{"role": "user", "content": "the inn"}])
     assert tok.decode(ids) == "<|im_start|>user\nthe inn<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_full_disk_one_line_error_and_nothing_left(home, llama_folder, monkeypatch, capsys):
+    import errno
+
+    import safetensors.torch
+
+    _, folder = llama_folder
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", "model.safetensors")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", disk_full)
+    assert main(["pull", str(folder), "--bits", "4"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["localserve: error: no space left on device (model.safetensors)"]
+    assert list((home / "models").iterdir()) == []

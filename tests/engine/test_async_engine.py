@@ -106,3 +106,14 @@ async def test_stop_string_ends_the_request(engine):
                                                        ignore_eos=True, stop=(stop,)))
     assert "".join(c.text for c in chunks) == text[: text.find(stop)]
     assert chunks[-1].finish_reason == "stop" and chunks[-1].stop_reason == stop
+
+
+@pytest.mark.asyncio
+async def test_logprobs_stream_one_entry_per_token(engine):
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=True,
+                            top_logprobs=2)
+    chunks = await collect(engine, list(range(10, 30)), params)
+    for c in chunks:
+        [(token, lp, tops)] = c.logprobs
+        assert token == c.token_ids[0] and len(tops) == 2
+        assert tops[0][0] == token and lp == pytest.approx(tops[0][1])  # greedy took the top
