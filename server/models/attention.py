@@ -27,6 +27,9 @@ class AttentionGroup:
     dest: torch.Tensor  # [num_valid] step-token index each real query's output goes to
 
 
+NULL_SLOT = -1  # the KV caches' extra last row: zeros, read by padding, never written
+
+
 @dataclass(slots=True)
 class AttentionMetadata:
     """Everything the layers need for one step; built once, shared by all layers."""
@@ -91,6 +94,8 @@ def _build_group(
     token_index = torch.where(is_real_query, st[:, None] + qi[None, :], 0)
     ctx = torch.arange(max_ctx)  # [max_ctx]
     context_slots = tables[sel][:, ctx // block_size] * block_size + ctx % block_size
+    # Padding past a sequence's length reads the zero slot, never an unwritten one.
+    context_slots = torch.where(ctx[None, :] < s[:, None], context_slots, NULL_SLOT)
     query_pos = (s - q)[:, None] + qi[None, :]  # [B, max_q]
     allowed = ctx[None, None, :] <= query_pos[:, :, None]  # [B, max_q, max_ctx]
     mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))

@@ -9,15 +9,26 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from server.models.attention import build_metadata
+from server.models.attention import NULL_SLOT, build_metadata
 
 
 def allocate_kv(model: nn.Module, num_slots: int, device, dtype) -> list[tuple[torch.Tensor, ...]]:
-    """Per layer, (keys, values) of shape [num_slots, num_kv_heads, head_dim]: flat slots."""
+    """Per layer, (keys, values) of shape [num_slots + 1, num_kv_heads, head_dim]: flat slots.
+
+    The extra last row is NULL_SLOT, zeros, never written: padded context reads point there,
+    so no other slot is ever read before it is written and the pool can stay uninitialized.
+    Left untouched, its pages are not resident on CPU: memory grows with use, not at start.
+    """
     c = model.config
-    shape = (num_slots, c.num_kv_heads, c.head_dim)
-    return [(torch.zeros(shape, device=device, dtype=dtype),
-             torch.zeros(shape, device=device, dtype=dtype)) for _ in range(c.num_layers)]
+    shape = (num_slots + 1, c.num_kv_heads, c.head_dim)
+    caches = []
+    for _ in range(c.num_layers):
+        k = torch.empty(shape, device=device, dtype=dtype)
+        v = torch.empty(shape, device=device, dtype=dtype)
+        k[NULL_SLOT].zero_()
+        v[NULL_SLOT].zero_()
+        caches.append((k, v))
+    return caches
 
 
 def _param_dtype(model: nn.Module) -> torch.dtype:
