@@ -7,13 +7,13 @@ import errno
 import sys
 
 from cli import eval as eval_cmd
-from cli import models, pull, run
+from cli import models, pull, run, serve
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="localserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    for module in (pull, models, run, eval_cmd):
+    for module in (pull, models, run, serve, eval_cmd):
         module.add_parser(sub)
     return parser
 

@@ -201,6 +201,10 @@ class AsyncEngine:
             if remaining:
                 self.abort(request_id)
 
+    def check(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """Raise RequestTooLargeError if such a request could never run."""
+        self.engine.scheduler.check_size(num_prompt_tokens, params.max_tokens)
+
     def abort(self, request_id: str) -> None:
         """Stop a request; its blocks are free at the next step."""
         self._inbox.put(("abort", request_id))

@@ -66,12 +66,17 @@ class Scheduler:
 
     def check(self, seq: Sequence) -> None:
         """Raise RequestTooLargeError if seq could never run (reads only constants)."""
-        need = seq.num_prompt_tokens + seq.params.max_tokens
+        self.check_size(seq.num_prompt_tokens, seq.params.max_tokens)
+
+    def check_size(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Raise RequestTooLargeError if such a sequence could never run."""
+        need = num_prompt_tokens + max_tokens
         if need > self.max_model_len:
             raise RequestTooLargeError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                f"you requested {need} tokens ({seq.num_prompt_tokens} in the messages, "
-                f"{seq.params.max_tokens} in the completion)."
+                f"you requested {need} tokens ({num_prompt_tokens} in the messages, "
+                f"{max_tokens} in the completion). Please reduce the length of the messages "
+                "or completion."
             )
         bm = self.block_manager
         if -(-need // bm.block_size) > len(bm.blocks):

@@ -1,0 +1,159 @@
+"""`localserve serve [NAME]`: the OpenAI-compatible daemon (Starlette on uvicorn).
+
+With no NAME it serves smollm2-135m, pulling it at 4 bits first if the store has none.
+SIGTERM drains: new requests get 503, in-flight ones finish (up to --drain-timeout), then the
+process exits 0. A second SIGTERM or Ctrl-C stops at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+
+import uvicorn
+
+DEFAULT_MODEL = "smollm2-135m"
+log = logging.getLogger("localserve")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="run the OpenAI-compatible server")
+    p.add_argument("name", nargs="?", help=f"stored model (default: {DEFAULT_MODEL}, pulled "
+                   "at 4 bits if missing)")
+    p.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1 (this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="default 8000; 0 picks a free port")
+    p.add_argument("--api-key", action="append", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 and /metrics (repeatable; "
+                   "or LOCALSERVE_API_KEY, comma-separated)")
+    p.add_argument("--kv-cache-mb", type=int, default=None,
+                   help="KV cache pool (default: a fifth of available memory)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per step")
+    p.add_argument("--max-model-len", type=int, default=None, help="default: the model's")
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--max-pending", type=int, default=256,
+                   help="requests in progress before new ones get 429 (default 256)")
+    p.add_argument("--max-body-mb", type=int, default=16, help="JSON body limit (default 16)")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests may take after SIGTERM (default 30)")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: auto)")
+    p.add_argument("--dtype", default=None, choices=("bf16", "fp32"), help="default: auto")
+    p.add_argument("--log-level", default="info",
+                   choices=("critical", "error", "warning", "info", "debug"))
+    p.add_argument("--access-log", action="store_true", help="log every request")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from server.api.app import create_app
+    from server.api.serving import ServerSettings, ServerState
+    from server.engine.engine import EngineConfig
+
+    for flag in ("max_num_seqs", "max_num_batched_tokens", "max_pending", "max_body_mb"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be at least 1")
+    if args.kv_cache_mb is not None and args.kv_cache_mb < 1:
+        raise ValueError("--kv-cache-mb must be at least 1")
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be 0..65535, got {args.port}")
+    keys = tuple(args.api_key or [k for k in os.environ.get("LOCALSERVE_API_KEY", "").split(",")
+                                  if k])
+    if any(not k.strip() for k in keys):
+        raise ValueError("--api-key must not be empty")
+    name = _model_name(args.name)
+    settings = ServerSettings(
+        model=name, api_keys=keys, max_pending=args.max_pending,
+        max_body_bytes=args.max_body_mb << 20, drain_timeout=args.drain_timeout,
+        engine=EngineConfig(
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len,
+            kv_cache_bytes=args.kv_cache_mb << 20 if args.kv_cache_mb else None,
+            enable_prefix_caching=not args.no_prefix_caching),
+        device=args.device, dtype=args.dtype)
+    sock = _bind(args.host, args.port)
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    print(f"localserve: serving {name} at http://{shown}:{port}/v1 (loading the model...)",
+          file=sys.stderr, flush=True)
+    state = ServerState(settings)
+    config = uvicorn.Config(create_app(settings, state), log_level=args.log_level,
+                            access_log=args.access_log, timeout_graceful_shutdown=5,
+                            lifespan="on")
+    server = DrainingServer(config, state, args.drain_timeout)
+    server.run(sockets=[sock])
+    if state.load_error:
+        print(f"localserve: error: {state.load_error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _model_name(name: str | None) -> str:
+    """The stored name to serve; the default model is pulled on first use."""
+    from storage.models import ModelNotFoundError, ModelStore
+
+    store = ModelStore()
+    try:
+        return store.resolve(name or DEFAULT_MODEL).name
+    except ModelNotFoundError:
+        if name is not None:
+            raise ModelNotFoundError(f"model {name!r} is not in the store; pull it first: "
+                                     f"localserve pull {name}") from None
+    from cli.pull import pull
+
+    print(f"localserve: {DEFAULT_MODEL} is not in the store yet; pulling it at 4 bits",
+          file=sys.stderr, flush=True)
+    return pull(DEFAULT_MODEL, 4, store).name
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """Listen before loading, so a taken port fails in a second with one line."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ValueError(f"cannot resolve --host {host!r}: {e.strerror}") from None
+    family, _, _, _, address = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's Server with SIGTERM meaning "drain, then exit 0"."""
+
+    def __init__(self, config: uvicorn.Config, state, drain_timeout: float) -> None:
+        super().__init__(config)
+        self.state = state
+        self.drain_timeout = drain_timeout
+        self.drain_deadline = 0.0
+
+    def handle_exit(self, sig: int, frame) -> None:
+        state = self.state
+        if sig == signal.SIGTERM and not state.draining:
+            state.draining = True
+            self.drain_deadline = time.monotonic() + self.drain_timeout
+            log.warning("SIGTERM: draining %d request(s)", state.num_http_inflight)
+            return
+        if sig == signal.SIGTERM:  # the second one: stop now, still exit 0
+            self.should_exit = self.force_exit = True
+            return
+        super().handle_exit(sig, frame)
+
+    async def on_tick(self, counter: int) -> bool:
+        state = self.state
+        if state.draining and not self.should_exit and (
+                state.num_http_inflight == 0 or time.monotonic() > self.drain_deadline):
+            self.should_exit = True
+        return await super().on_tick(counter)

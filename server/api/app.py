@@ -1,0 +1,139 @@
+"""create_app: the route list, middleware and lifespan (the model loads in the background so
+/health answers 503 until it is ready)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from server.api import metrics
+from server.api.auth import AuthMiddleware
+from server.api.chat import create_chat_completion
+from server.api.completions import create_completion
+from server.api.errors import (
+    APIError,
+    api_error_handler,
+    http_error_handler,
+    unexpected_error_handler,
+)
+from server.api.serving import ServerSettings, ServerState
+
+log = logging.getLogger("localserve")
+
+
+async def health(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    if state.draining:
+        return JSONResponse({"status": "draining"}, status_code=503)
+    if state.engine is None:
+        status = {"status": "error", "error": state.load_error} if state.load_error else {
+            "status": "loading"}
+        return JSONResponse(status, status_code=503)
+    return JSONResponse({"status": "ok", "model": state.served_name})
+
+
+async def prometheus(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    stats = state.engine.engine.stats() if state.engine is not None else None
+    return PlainTextResponse(metrics.render(state.served_name, state.metrics, stats),
+                             media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def _model_object(state: ServerState) -> dict:
+    return {"id": state.served_name, "object": "model", "created": state.created,
+            "owned_by": "localserve"}
+
+
+async def list_models(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    return JSONResponse({"object": "list", "data": [_model_object(state)]})
+
+
+async def get_model(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    name = request.path_params["model"]
+    state.check_model(name)
+    return JSONResponse(_model_object(state))
+
+
+class DrainMiddleware:
+    """Counts requests in flight; once draining (SIGTERM), new requests get 503."""
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app, self.state = app, state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in ("/health", "/metrics"):
+            await self.app(scope, receive, send)
+            return
+        if self.state.draining:
+            error = APIError(503, "The server is shutting down.", code="server_shutting_down",
+                             headers={"Connection": "close"})
+            await error.response()(scope, receive, send)
+            return
+        self.state.num_http_inflight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.state.num_http_inflight -= 1
+
+
+def load_into(state: ServerState) -> None:
+    """Resolve, verify and load the model (runs in a worker thread)."""
+    from server.engine.engine import load_engine
+    from storage.models import ModelStore
+
+    s = state.settings
+    stored = ModelStore().resolve(s.model)
+    engine = load_engine(stored, s.engine, s.device, s.dtype)
+    state.attach(engine, stored.name)
+
+
+def create_app(settings: ServerSettings, state: ServerState | None = None) -> Starlette:
+    state = state or ServerState(settings)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        async def load() -> None:
+            try:
+                await asyncio.to_thread(load_into, state)
+                log.info("model %s ready", state.served_name)
+            except Exception as e:  # noqa: BLE001 - reported by /health and every request
+                state.load_error = f"{type(e).__name__}: {e}"
+                log.error("loading %s failed: %s", settings.model, state.load_error)
+
+        task = asyncio.create_task(load()) if state.engine is None else None
+        yield
+        if task is not None and not task.done():
+            task.cancel()
+        if state.engine is not None:
+            await asyncio.to_thread(state.engine.shutdown)
+
+    routes = [
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", prometheus, methods=["GET"]),
+        Route("/v1/models", list_models, methods=["GET"]),
+        Route("/v1/models/{model:path}", get_model, methods=["GET"]),
+        Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
+        Route("/v1/completions", create_completion, methods=["POST"]),
+    ]
+    app = Starlette(
+        routes=routes,
+        middleware=[Middleware(AuthMiddleware, api_keys=settings.api_keys),
+                    Middleware(DrainMiddleware, state=state)],
+        exception_handlers={APIError: api_error_handler, HTTPException: http_error_handler,
+                            Exception: unexpected_error_handler},
+        lifespan=lifespan,
+    )
+    app.state.server = state
+    return app
+

@@ -1,0 +1,48 @@
+"""Bearer-key auth for /v1/* and /metrics (/health stays open); the key names the tenant."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from server.api.errors import APIError
+
+
+def tenant_of(key: str) -> str:
+    """A stable, non-secret name for a key: prefix-cache salt and owner of files/batches."""
+    return hashlib.sha256(key.encode()).hexdigest()[:24]
+
+
+class AuthMiddleware:
+    def __init__(self, app: ASGIApp, api_keys: tuple[str, ...]) -> None:
+        self.app = app
+        self.api_keys = tuple(k.encode() for k in api_keys)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and self.api_keys and (path.startswith("/v1")
+                                                          or path == "/metrics"):
+            key = self._key(Headers(scope=scope).get("authorization"))
+            if key is None:
+                error = APIError(401, "Incorrect API key provided. Send it as "
+                                 "'Authorization: Bearer KEY'.", code="invalid_api_key",
+                                 headers={"WWW-Authenticate": "Bearer"})
+                await error.response()(scope, receive, send)
+                return
+            scope["localserve.tenant"] = tenant_of(key)
+        await self.app(scope, receive, send)
+
+    def _key(self, header: str | None) -> str | None:
+        scheme, _, token = (header or "").partition(" ")
+        if scheme.lower() != "bearer":
+            return None
+        given = token.strip().encode()
+        # Compare against every key in constant time so timing tells nothing.
+        match = None
+        for key in self.api_keys:
+            if hmac.compare_digest(given, key):
+                match = key
+        return match.decode() if match is not None else None

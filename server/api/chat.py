@@ -1,0 +1,141 @@
+"""POST /v1/chat/completions: `chat.completion`, or `chat.completion.chunk` events."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from server.api.body import read_json
+from server.api.errors import invalid
+from server.api.protocol import ChatRequest, parse_chat
+from server.api.serving import (
+    ServerState,
+    TokenText,
+    new_id,
+    off_loop,
+    stream_engine,
+    tenant,
+    until_disconnect,
+    usage,
+    with_max_tokens,
+)
+from server.api.sse import sse_response
+from server.engine.engine import CompletionChunk
+from server.models.tokenizer import chat_prompt_ids
+
+SYSTEM_FINGERPRINT = "localserve"
+
+
+async def create_chat_completion(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    body = await read_json(request, state)
+    state.ready_engine()
+    req = parse_chat(body, state.vocab_size)
+    state.check_model(req.model)
+    state.acquire()
+    handed_to_stream = False  # a stream releases its place when it ends
+    try:
+        prompt_ids = await off_loop(_prompt_ids, state.tokenizer, req.messages)
+        params = with_max_tokens(state, req.params, req.max_tokens, len(prompt_ids), "messages")
+        rid = new_id("chatcmpl")
+        chunks = stream_engine(state, prompt_ids, params, rid, tenant(request))
+        if req.stream:
+            handed_to_stream = True
+            return sse_response(_stream(state, req, rid, chunks, len(prompt_ids)),
+                                state.release)
+        return JSONResponse(await until_disconnect(
+            request, _collect(state, req, rid, chunks, len(prompt_ids))))
+    finally:
+        if not handed_to_stream:
+            state.release()
+
+
+def _prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    try:
+        return chat_prompt_ids(tokenizer, messages)
+    except Exception as e:  # noqa: BLE001 - a template that refuses these messages
+        from jinja2 import TemplateError
+
+        if isinstance(e, TemplateError):
+            raise invalid("messages", f"The chat template refused these messages: {e}") from None
+        raise
+
+
+def _logprobs(token_text: TokenText, chunk: CompletionChunk) -> dict[str, Any] | None:
+    if chunk.logprobs is None:
+        return None
+    content = []
+    for token_id, lp, tops in chunk.logprobs:
+        text, raw = token_text(token_id)
+        content.append({
+            "token": text, "logprob": lp, "bytes": raw,
+            "top_logprobs": [{"token": token_text(t)[0], "logprob": v,
+                              "bytes": token_text(t)[1]} for t, v in tops],
+        })
+    return {"content": content, "refusal": None}
+
+
+async def _collect(state: ServerState, req: ChatRequest, rid: str,
+                   chunks: AsyncIterator[CompletionChunk], num_prompt: int) -> dict[str, Any]:
+    n = req.params.n
+    texts: list[list[str]] = [[] for _ in range(n)]
+    logprobs: list[list[dict]] = [[] for _ in range(n)]
+    finish: list[str | None] = [None] * n
+    num_output = [0] * n
+    num_cached = 0
+    token_text = TokenText(state.tokenizer)
+    async for chunk in chunks:
+        i = chunk.index
+        texts[i].append(chunk.text)
+        lp = _logprobs(token_text, chunk)
+        if lp is not None:
+            logprobs[i] += lp["content"]
+        if chunk.finish_reason is not None:
+            finish[i], num_output[i] = chunk.finish_reason, chunk.num_output_tokens
+            if i == 0:
+                num_cached = chunk.num_cached_tokens
+    choices = [{
+        "index": i,
+        "message": {"role": "assistant", "content": "".join(texts[i]), "refusal": None},
+        "logprobs": {"content": logprobs[i], "refusal": None} if req.params.logprobs else None,
+        "finish_reason": finish[i],
+    } for i in range(n)]
+    return {"id": rid, "object": "chat.completion", "created": int(time.time()),
+            "model": state.served_name, "choices": choices,
+            "usage": usage(num_prompt, sum(num_output), num_cached),
+            "system_fingerprint": SYSTEM_FINGERPRINT}
+
+
+async def _stream(state: ServerState, req: ChatRequest, rid: str,
+                  chunks: AsyncIterator[CompletionChunk], num_prompt: int
+                  ) -> AsyncIterator[dict[str, Any]]:
+    created = int(time.time())
+    token_text = TokenText(state.tokenizer)
+    extra = {"usage": None} if req.include_usage else {}
+
+    def event(index: int, delta: dict, finish: str | None = None, logprobs=None) -> dict:
+        return {"id": rid, "object": "chat.completion.chunk", "created": created,
+                "model": state.served_name, "system_fingerprint": SYSTEM_FINGERPRINT,
+                "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                             "finish_reason": finish}], **extra}
+
+    for i in range(req.params.n):
+        yield event(i, {"role": "assistant", "content": ""})
+    num_output, num_cached = 0, 0
+    async for chunk in chunks:
+        lp = _logprobs(token_text, chunk)
+        if chunk.text or lp is not None:
+            yield event(chunk.index, {"content": chunk.text}, logprobs=lp)
+        if chunk.finish_reason is not None:
+            num_output += chunk.num_output_tokens
+            if chunk.index == 0:
+                num_cached = chunk.num_cached_tokens
+            yield event(chunk.index, {}, chunk.finish_reason)
+    if req.include_usage:
+        yield {"id": rid, "object": "chat.completion.chunk", "created": created,
+               "model": state.served_name, "system_fingerprint": SYSTEM_FINGERPRINT,
+               "choices": [], "usage": usage(num_prompt, num_output, num_cached)}

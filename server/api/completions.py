@@ -1,0 +1,147 @@
+"""POST /v1/completions (legacy): `text_completion` objects, streamed or not.
+
+A list of prompts runs as one engine request each; choice `index` is prompt * n + choice.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from server.api.body import read_json
+from server.api.protocol import CompletionRequest, parse_completion
+from server.api.serving import (
+    ServerState,
+    TokenText,
+    merged,
+    new_id,
+    off_loop,
+    stream_engine,
+    tenant,
+    until_disconnect,
+    usage,
+    with_max_tokens,
+)
+from server.api.sse import sse_response
+from server.engine.engine import CompletionChunk
+
+
+async def create_completion(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    body = await read_json(request, state)
+    state.ready_engine()
+    req = parse_completion(body, state.vocab_size)
+    state.check_model(req.model)
+    state.acquire()
+    handed_to_stream = False  # a stream releases its place when it ends
+    try:
+        prompt_ids = await off_loop(_tokenize, state.tokenizer, req.prompts)
+        params = [with_max_tokens(state, req.params, req.max_tokens, len(ids), "prompt")
+                  for ids in prompt_ids]
+        rid = new_id("cmpl")
+        salt = tenant(request)
+        streams = [stream_engine(state, ids, p, f"{rid}-{i}", salt)
+                   for i, (ids, p) in enumerate(zip(prompt_ids, params, strict=True))]
+        echoes = ([await off_loop(_echo_text, state.tokenizer, p) for p in req.prompts]
+                  if req.echo else None)
+        run = _Run(state, req, rid, prompt_ids, echoes)
+        if req.stream:
+            handed_to_stream = True
+            return sse_response(run.stream(merged(streams)), state.release)
+        return JSONResponse(await until_disconnect(request, run.collect(merged(streams))))
+    finally:
+        if not handed_to_stream:
+            state.release()
+
+
+def _tokenize(tokenizer: Any, prompts: list[str | list[int]]) -> list[list[int]]:
+    return [p if isinstance(p, list) else tokenizer(p).input_ids for p in prompts]
+
+
+def _echo_text(tokenizer: Any, prompt: str | list[int]) -> str:
+    return prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
+
+
+class _Run:
+    """One completions request: turns engine chunks of every prompt into choices."""
+
+    def __init__(self, state: ServerState, req: CompletionRequest, rid: str,
+                 prompt_ids: list[list[int]], echoes: list[str] | None) -> None:
+        self.state, self.req, self.rid = state, req, rid
+        self.num_prompt = sum(map(len, prompt_ids))
+        self.echoes = echoes
+        self.n = req.params.n
+        self.num_choices = len(prompt_ids) * self.n
+        self.num_output = 0
+        self.num_cached = 0
+        self.token_text = TokenText(state.tokenizer)
+        self.offsets = [0] * self.num_choices  # characters emitted per choice (text_offset)
+        self.created = int(time.time())
+
+    def _choice(self, prompt: int, chunk: CompletionChunk, first: bool) -> dict[str, Any]:
+        index = prompt * self.n + chunk.index
+        text = chunk.text
+        if first and self.echoes is not None:
+            text = self.echoes[prompt] + text
+        if chunk.finish_reason is not None:
+            self.num_output += chunk.num_output_tokens
+            if chunk.index == 0:
+                self.num_cached += chunk.num_cached_tokens
+        return {"index": index, "text": text, "logprobs": self._logprobs(index, chunk),
+                "finish_reason": chunk.finish_reason}
+
+    def _logprobs(self, index: int, chunk: CompletionChunk) -> dict[str, Any] | None:
+        if self.req.logprobs is None:
+            return None
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                                "text_offset": []}
+        for token_id, lp, tops in chunk.logprobs or []:
+            text = self.token_text(token_id)[0]
+            out["tokens"].append(text)
+            out["token_logprobs"].append(lp)
+            out["top_logprobs"].append({self.token_text(t)[0]: v for t, v in tops})
+            out["text_offset"].append(self.offsets[index])
+            self.offsets[index] += len(text)
+        return out
+
+    def _object(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.rid, "object": "text_completion", "created": self.created,
+                "model": self.state.served_name, "choices": choices,
+                "system_fingerprint": "localserve"}
+
+    async def collect(self, chunks: AsyncIterator[tuple[int, CompletionChunk]]
+                      ) -> dict[str, Any]:
+        choices: list[dict[str, Any] | None] = [None] * self.num_choices
+        async for prompt, chunk in chunks:
+            index = prompt * self.n + chunk.index
+            part = self._choice(prompt, chunk, choices[index] is None)
+            have = choices[index]
+            if have is None:
+                choices[index] = part
+                continue
+            have["text"] += part["text"]
+            have["finish_reason"] = part["finish_reason"]
+            if have["logprobs"] is not None:
+                for key, values in part["logprobs"].items():
+                    have["logprobs"][key] += values
+        out = self._object(choices)
+        out["usage"] = usage(self.num_prompt, self.num_output, self.num_cached)
+        return out
+
+    async def stream(self, chunks: AsyncIterator[tuple[int, CompletionChunk]]
+                     ) -> AsyncIterator[dict[str, Any]]:
+        started = [False] * self.num_choices
+        extra = {"usage": None} if self.req.include_usage else {}
+        async for prompt, chunk in chunks:
+            index = prompt * self.n + chunk.index
+            choice = self._choice(prompt, chunk, not started[index])
+            started[index] = True
+            if choice["text"] or choice["logprobs"] or choice["finish_reason"]:
+                yield self._object([choice]) | extra
+        if self.req.include_usage:
+            yield self._object([]) | {"usage": usage(self.num_prompt, self.num_output,
+                                                     self.num_cached)}

@@ -1,0 +1,112 @@
+"""Prometheus text exposition, names in vLLM's style (`localserve:` instead of `vllm:`)."""
+
+from __future__ import annotations
+
+import bisect
+from collections import Counter
+from typing import Any
+
+from server.engine.sequence import PRIORITY_INTERACTIVE
+
+TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
+               0.5, 0.75, 1.0, 2.5, 5.0)
+E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class Histogram:
+    def __init__(self, buckets: tuple[float, ...]) -> None:
+        self.buckets = buckets
+        self.counts = [0] * (len(buckets) + 1)  # the last is +Inf
+        self.sum = 0.0
+
+    def observe(self, v: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, v)] += 1
+        self.sum += v
+
+    def lines(self, name: str) -> list[str]:
+        out, total = [], 0
+        for le, c in zip((*self.buckets, "+Inf"), self.counts, strict=True):
+            total += c
+            out.append(f'{name}_bucket{{le="{le}"}} {total}')
+        out += [f"{name}_sum {self.sum}", f"{name}_count {total}"]
+        return out
+
+
+class ApiMetrics:
+    """What the HTTP layer observes; the engine's own counters are read at scrape time."""
+
+    def __init__(self) -> None:
+        self.ttft = Histogram(TTFT_BUCKETS)
+        self.itl = Histogram(ITL_BUCKETS)
+        self.e2e = Histogram(E2E_BUCKETS)
+        self.finished: Counter[str] = Counter()  # by finish reason
+        self.num_rejected = 0  # 429s
+
+
+def kind(priority: int) -> str:
+    return "interactive" if priority <= PRIORITY_INTERACTIVE else "batch"
+
+
+def render(model: str, api: ApiMetrics, stats: dict[str, Any] | None) -> str:
+    """The /metrics page."""
+    lines: list[str] = []
+
+    def metric(name: str, kind_: str, help_: str, samples: list[tuple[str, float]]) -> None:
+        lines.append(f"# HELP localserve:{name} {help_}")
+        lines.append(f"# TYPE localserve:{name} {kind_}")
+        for labels, v in samples:
+            lines.append(f"localserve:{name}{{{labels}}} {v}")
+
+    m = f'model_name="{model}"'
+    if stats is not None:
+        metric("num_requests_running", "gauge", "Sequences in the running batch.",
+               [(m, stats["num_running"])])
+        metric("num_requests_waiting", "gauge", "Sequences waiting to be scheduled.",
+               [(m, stats["num_waiting"])])
+        metric("kv_cache_usage_perc", "gauge", "Fraction of KV-cache blocks in use (0-1).",
+               [(m, stats["kv_blocks_used"] / max(1, stats["kv_blocks_total"]))])
+        metric("kv_cache_blocks_used", "gauge", "KV-cache blocks in use.",
+               [(m, stats["kv_blocks_used"])])
+        metric("kv_cache_blocks_total", "gauge", "KV-cache blocks in the pool.",
+               [(m, stats["kv_blocks_total"])])
+        metric("prefix_cache_queries_total", "counter", "Prompt tokens looked up in the "
+               "prefix cache.", [(m, stats["prefix_cache_queries"])])
+        metric("prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache.",
+               [(m, stats["prefix_cache_hits"])])
+        metric("num_preemptions_total", "counter", "Sequences preempted for lack of KV blocks.",
+               [(m, stats["num_preemptions"])])
+        for key, name, help_ in (("prompt_tokens", "prompt_tokens_total",
+                                  "Prompt tokens computed."),
+                                 ("generation_tokens", "generation_tokens_total",
+                                  "Tokens generated.")):
+            by_kind: Counter[str] = Counter()
+            for priority, n in stats[key].items():
+                by_kind[kind(priority)] += n
+            metric(name, "counter", help_,
+                   [(f'{m},kind="{k}"', by_kind[k]) for k in ("interactive", "batch")])
+        metric("engine_steps_total", "counter", "Engine steps run.", [(m, stats["num_steps"])])
+        metric("engine_step_seconds_total", "counter", "Time spent in engine steps.",
+               [(m, stats["step_seconds"])])
+    metric("request_success_total", "counter", "Finished requests by finish reason.",
+           [(f'{m},finished_reason="{r}"', n) for r, n in sorted(api.finished.items())])
+    metric("request_rejected_total", "counter", "Requests refused with 429 (queue full).",
+           [(m, api.num_rejected)])
+    for name, hist, help_ in (
+        ("time_to_first_token_seconds", api.ttft, "Time to first token."),
+        ("inter_token_latency_seconds", api.itl, "Time between streamed tokens."),
+        ("e2e_request_latency_seconds", api.e2e, "Request latency, arrival to finish."),
+    ):
+        lines.append(f"# HELP localserve:{name} {help_}")
+        lines.append(f"# TYPE localserve:{name} histogram")
+        lines += [_label(line, m) for line in hist.lines(f"localserve:{name}")]
+    return "\n".join(lines) + "\n"
+
+
+def _label(line: str, label: str) -> str:
+    """Add the model label to one histogram sample line."""
+    name, value = line.rsplit(" ", 1)
+    if name.endswith("}"):
+        return f"{name[:-1]},{label}}} {value}"
+    return f"{name}{{{label}}} {value}"

@@ -1,0 +1,344 @@
+"""Request bodies parsed into dataclasses; every bad field is a 400 that names it.
+
+Fields OpenAI defines that localserve does not implement are refused when set (never silently
+ignored); fields nobody defines are refused as OpenAI does ("Unrecognized request argument").
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from server.api.errors import invalid, unsupported
+from server.engine.sequence import SamplingParams
+
+MAX_N = 16
+MAX_TOP_LOGPROBS = 20
+MAX_STOP = 16
+ROLES = ("system", "developer", "user", "assistant")
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    """The request body as a JSON object, or 400."""
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise invalid(None, f"The request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise invalid(None, "The request body must be a JSON object.")
+    return body
+
+
+class Fields:
+    """Typed, range-checked reads from a request body; remembers which keys were read."""
+
+    def __init__(self, body: dict[str, Any]) -> None:
+        self.body = body
+        self.seen: set[str] = set()
+
+    def raw(self, name: str) -> Any:
+        self.seen.add(name)
+        return self.body.get(name)
+
+    def str(self, name: str, default: str | None = None, required: bool = False) -> str | None:
+        v = self.raw(name)
+        if v is None:
+            if required:
+                raise invalid(name, f"Missing required parameter: '{name}'.")
+            return default
+        if not isinstance(v, str):
+            raise invalid(name, f"Invalid type for '{name}': expected a string.")
+        return v
+
+    def bool(self, name: str, default: bool = False) -> bool:
+        v = self.raw(name)
+        if v is None:
+            return default
+        if not isinstance(v, bool):
+            raise invalid(name, f"Invalid type for '{name}': expected a boolean.")
+        return v
+
+    def int(self, name: str, default: int | None = None, lo: int | None = None,
+            hi: int | None = None) -> int | None:
+        v = self.raw(name)
+        if v is None:
+            return default
+        if isinstance(v, float) and v.is_integer():
+            v = int(v)
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise invalid(name, f"Invalid type for '{name}': expected an integer.")
+        _check_range(name, v, lo, hi)
+        return v
+
+    def float(self, name: str, default: float, lo: float | None = None,
+              hi: float | None = None, lo_open: bool = False) -> float:
+        v = self.raw(name)
+        if v is None:
+            return default
+        if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v):
+            raise invalid(name, f"Invalid type for '{name}': expected a number.")
+        if lo_open and lo is not None and v <= lo:
+            raise invalid(name, f"'{name}' must be greater than {lo}, got {v}.")
+        _check_range(name, v, lo, hi)
+        return float(v)
+
+    def refuse(self, name: str, allowed: tuple = (None,), what: str | None = None) -> None:
+        """`name` may only carry one of `allowed` (values that change nothing)."""
+        v = self.raw(name)
+        if v not in allowed and not (isinstance(v, list | dict) and not v and None in allowed):
+            raise unsupported(name, what)
+
+    def check_unknown(self) -> None:
+        for name in self.body:
+            if name not in self.seen:
+                raise invalid(name, f"Unrecognized request argument supplied: {name}")
+
+
+def _check_range(name: str, v: float, lo: float | None, hi: float | None) -> None:
+    if lo is not None and v < lo:
+        raise invalid(name, f"{v} is less than the minimum of {lo} - '{name}'")
+    if hi is not None and v > hi:
+        raise invalid(name, f"{v} is greater than the maximum of {hi} - '{name}'")
+
+
+@dataclass(slots=True)
+class GenerateRequest:
+    """What chat and completions share: the model, sampling and how to answer."""
+
+    model: str
+    params: SamplingParams  # max_tokens filled in once the prompt length is known
+    max_tokens: int | None  # None: as many as the context allows
+    stream: bool = False
+    include_usage: bool = False
+    user: str | None = None
+
+
+@dataclass(slots=True)
+class ChatRequest(GenerateRequest):
+    messages: list[dict[str, str]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class CompletionRequest(GenerateRequest):
+    prompts: list[str | list[int]] = field(default_factory=list)
+    echo: bool = False
+    logprobs: int | None = None  # legacy: how many top tokens per position
+
+
+def _common(f: Fields, vocab_size: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Sampling and streaming fields of both endpoints: (SamplingParams kwargs, other)."""
+    model = f.str("model", required=True)
+    stream = f.bool("stream")
+    options = f.raw("stream_options")
+    include_usage = False
+    if options is not None:
+        if not stream:
+            raise invalid("stream_options",
+                          "The 'stream_options' parameter is only allowed when 'stream' is "
+                          "enabled.")
+        if not isinstance(options, dict):
+            raise invalid("stream_options", "Invalid type for 'stream_options': expected an "
+                          "object.")
+        sub = Fields(options)
+        include_usage = sub.bool("include_usage")
+        sub.bool("continuous_usage_stats")  # accepted: vLLM clients send it
+        for name in options:
+            if name not in sub.seen:
+                raise invalid(f"stream_options.{name}",
+                              f"Unrecognized stream option: {name}")
+    top_k = f.int("top_k", 0, lo=-1)
+    kw = dict(
+        temperature=f.float("temperature", 1.0, 0.0, 2.0),
+        top_p=f.float("top_p", 1.0, 0.0, 1.0, lo_open=True),
+        top_k=max(top_k, 0),
+        min_p=f.float("min_p", 0.0, 0.0, 1.0),
+        seed=f.int("seed"),
+        presence_penalty=f.float("presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=f.float("frequency_penalty", 0.0, -2.0, 2.0),
+        repetition_penalty=f.float("repetition_penalty", 1.0, 0.0, 2.0, lo_open=True),
+        logit_bias=_logit_bias(f.raw("logit_bias"), vocab_size),
+        stop=_stop(f.raw("stop")),
+        stop_token_ids=tuple(_token_ids(f.raw("stop_token_ids") or [], "stop_token_ids",
+                                         vocab_size)),
+        ignore_eos=f.bool("ignore_eos"),
+        n=f.int("n", 1, lo=1, hi=MAX_N),
+    )
+    best_of = f.int("best_of")
+    if best_of is not None and best_of != kw["n"]:
+        raise unsupported("best_of", "only best_of equal to n")
+    other = dict(model=model, stream=stream, include_usage=include_usage,
+                 user=f.str("user"))
+    f.str("service_tier")
+    f.str("safety_identifier")
+    f.str("prompt_cache_key")  # prefix caching is automatic
+    return kw, other
+
+
+def _max_tokens(f: Fields) -> int | None:
+    a = f.int("max_tokens", lo=1)
+    b = f.int("max_completion_tokens", lo=1)
+    if a is not None and b is not None and a != b:
+        raise invalid("max_tokens", "Set 'max_tokens' or 'max_completion_tokens', not both.")
+    return a if a is not None else b
+
+
+def parse_chat(body: dict[str, Any], vocab_size: int) -> ChatRequest:
+    f = Fields(body)
+    messages = _messages(f.raw("messages"))
+    kw, other = _common(f, vocab_size)
+    logprobs = f.bool("logprobs")
+    top = f.int("top_logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
+    if top is not None and not logprobs:
+        raise invalid("top_logprobs", "'top_logprobs' requires 'logprobs' to be true.")
+    max_tokens = _max_tokens(f)
+    f.refuse("tools", what="tool calling")
+    f.refuse("tool_choice", (None, "none"), "tool calling")
+    f.refuse("functions", what="function calling")
+    f.refuse("function_call", (None, "none"), "function calling")
+    f.raw("parallel_tool_calls")  # meaningless without tools
+    rf = f.raw("response_format")
+    if rf is not None and rf != {"type": "text"}:
+        raise unsupported("response_format", "only {\"type\": \"text\"}")
+    f.refuse("audio")
+    f.refuse("modalities", (None, ["text"]))
+    f.refuse("prediction", what="predicted outputs")
+    f.refuse("web_search_options")
+    f.refuse("reasoning_effort")
+    f.refuse("verbosity")
+    f.refuse("store", (None, False), "stored completions")
+    f.raw("metadata")  # only meaningful with store
+    f.check_unknown()
+    params = SamplingParams(logprobs=logprobs, top_logprobs=top or 0, **kw)
+    return ChatRequest(params=params, max_tokens=max_tokens, messages=messages, **other)
+
+
+def parse_completion(body: dict[str, Any], vocab_size: int) -> CompletionRequest:
+    f = Fields(body)
+    prompts = _prompts(f.raw("prompt"), vocab_size)
+    kw, other = _common(f, vocab_size)
+    logprobs = f.int("logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
+    max_tokens = f.int("max_tokens", 16, lo=1)
+    echo = f.bool("echo")
+    if echo and logprobs is not None:
+        raise unsupported("echo", "together with logprobs (prompt logprobs)")
+    suffix = f.raw("suffix")
+    if suffix not in (None, ""):
+        raise unsupported("suffix", "insertion")
+    f.check_unknown()
+    params = SamplingParams(logprobs=logprobs is not None, top_logprobs=logprobs or 0, **kw)
+    return CompletionRequest(params=params, max_tokens=max_tokens, prompts=prompts, echo=echo,
+                             logprobs=logprobs, **other)
+
+
+def _messages(v: Any) -> list[dict[str, str]]:
+    if v is None:
+        raise invalid("messages", "Missing required parameter: 'messages'.")
+    if not isinstance(v, list):
+        raise invalid("messages", "Invalid type for 'messages': expected an array.")
+    if not v:
+        raise invalid("messages", "'messages' must contain at least one message.")
+    out = []
+    for i, m in enumerate(v):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise invalid(where, f"Invalid type for '{where}': expected an object.")
+        role = m.get("role")
+        if role in ("tool", "function") or m.get("tool_calls") or m.get("function_call"):
+            raise unsupported(f"{where}.role", "tool and function messages")
+        if not isinstance(role, str) or role not in ROLES:
+            raise invalid(f"{where}.role", f"Invalid value for '{where}.role': {role!r}. "
+                          f"Supported values are: {', '.join(map(repr, ROLES))}.")
+        content = _content(m.get("content"), f"{where}.content", role)
+        for key in m:
+            if key not in ("role", "content", "name", "refusal", "tool_calls",
+                           "function_call"):
+                raise invalid(f"{where}.{key}", f"Unrecognized message field: {key}")
+        out.append({"role": "system" if role == "developer" else role, "content": content})
+    return out
+
+
+def _content(v: Any, where: str, role: str) -> str:
+    if isinstance(v, str):
+        return v
+    if v is None and role == "assistant":
+        return ""
+    if not isinstance(v, list):
+        raise invalid(where, f"Invalid type for '{where}': expected a string or an array of "
+                      "content parts.")
+    texts = []
+    for j, part in enumerate(v):
+        p = f"{where}[{j}]"
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise invalid(p, f"Invalid content part '{p}': expected an object with a 'type'.")
+        if part["type"] != "text":
+            raise unsupported(f"{p}.type", f"content parts of type {part['type']!r}")
+        if not isinstance(part.get("text"), str):
+            raise invalid(f"{p}.text", f"Invalid type for '{p}.text': expected a string.")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _stop(v: Any) -> tuple[str, ...]:
+    if v is None:
+        return ()
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+        raise invalid("stop", "Invalid type for 'stop': expected a string or an array of "
+                      "strings.")
+    if len(v) > MAX_STOP:
+        raise invalid("stop", f"'stop' holds at most {MAX_STOP} sequences.")
+    return tuple(s for s in v if s)
+
+
+def _logit_bias(v: Any, vocab_size: int) -> dict[int, float]:
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise invalid("logit_bias", "Invalid type for 'logit_bias': expected an object.")
+    out = {}
+    for k, bias in v.items():
+        try:
+            token = int(k)
+        except ValueError:
+            raise invalid("logit_bias", f"Invalid key in 'logit_bias': {k!r} is not a token "
+                          "id.") from None
+        if not 0 <= token < vocab_size:
+            raise invalid("logit_bias", f"Invalid key in 'logit_bias': token id {token} is "
+                          f"outside the vocabulary (0..{vocab_size - 1}).")
+        if not isinstance(bias, int | float) or isinstance(bias, bool) or not -100 <= bias \
+                <= 100:
+            raise invalid("logit_bias", f"Invalid value in 'logit_bias' for {k}: expected a "
+                          "number from -100 to 100.")
+        out[token] = float(bias)
+    return out
+
+
+def _token_ids(v: Any, where: str, vocab_size: int) -> list[int]:
+    if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                          for t in v):
+        raise invalid(where, f"Invalid type for '{where}': expected an array of token ids.")
+    bad = [t for t in v if not 0 <= t < vocab_size]
+    if bad:
+        raise invalid(where, f"Token id {bad[0]} in '{where}' is outside the vocabulary "
+                      f"(0..{vocab_size - 1}).")
+    return v
+
+
+def _prompts(v: Any, vocab_size: int) -> list[str | list[int]]:
+    """`prompt`: a string, strings, token ids, or lists of token ids."""
+    if v is None:
+        raise invalid("prompt", "Missing required parameter: 'prompt'.")
+    if isinstance(v, str):
+        return [v]
+    if isinstance(v, list) and v:
+        if all(isinstance(p, str) for p in v):
+            return list(v)
+        if all(isinstance(p, int) and not isinstance(p, bool) for p in v):
+            return [_token_ids(v, "prompt", vocab_size)]
+        if all(isinstance(p, list) and p for p in v):
+            return [_token_ids(p, "prompt", vocab_size) for p in v]
+    raise invalid("prompt", "Invalid value for 'prompt': expected a non-empty string, array of "
+                  "strings, array of token ids or array of token id arrays.")

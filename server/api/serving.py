@@ -1,0 +1,234 @@
+"""The server's state and what chat and completions share: admission, tokenization off the
+event loop, streaming from the engine with latency metrics, and aborting on disconnect."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from starlette.requests import Request
+
+from server.api.errors import APIError, invalid, model_not_found
+from server.api.metrics import ApiMetrics
+from server.engine.engine import AsyncEngine, CompletionChunk, EngineConfig
+from server.engine.scheduler import RequestTooLargeError
+from server.engine.sequence import PRIORITY_INTERACTIVE, SamplingParams
+
+
+@dataclass(slots=True)
+class ServerSettings:
+    model: str  # a stored model name, e.g. "smollm2-135m:int4"
+    api_keys: tuple[str, ...] = ()
+    max_pending: int = 256  # requests admitted at once; beyond: 429
+    max_body_bytes: int = 16 << 20
+    drain_timeout: float = 30.0  # SIGTERM: how long in-flight requests may take
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    device: str | None = None
+    dtype: str | None = None
+
+
+class ServerState:
+    """Everything handlers need; `engine` is None until the model has loaded."""
+
+    def __init__(self, settings: ServerSettings) -> None:
+        self.settings = settings
+        self.engine: AsyncEngine | None = None
+        self.tokenizer: Any = None
+        self.served_name = settings.model
+        self.load_error: str | None = None
+        self.draining = False
+        self.num_http_inflight = 0  # requests inside the app (SIGTERM waits for 0)
+        self.num_pending = 0  # generation requests admitted and not finished
+        self.metrics = ApiMetrics()
+        self.created = int(time.time())
+        self.vocab_size = 0
+        self.max_request_tokens = 0  # prompt + completion tokens one sequence may hold
+
+    def attach(self, engine: AsyncEngine, served_name: str) -> None:
+        self.engine, self.tokenizer, self.served_name = engine, engine.tokenizer, served_name
+        e = engine.engine
+        self.vocab_size = e.runner.model.config.vocab_size
+        bm = e.block_manager
+        self.max_request_tokens = min(e.max_model_len, len(bm.blocks) * bm.block_size)
+
+    def ready_engine(self) -> AsyncEngine:
+        if self.engine is None:
+            message = (f"The model failed to load: {self.load_error}" if self.load_error
+                       else "The model is still loading; retry shortly.")
+            raise APIError(503, message, code="model_not_ready", headers={"Retry-After": "2"})
+        return self.engine
+
+    def check_model(self, name: str) -> None:
+        if name not in (self.served_name, self.served_name.split(":")[0]):
+            raise model_not_found(name)
+
+    def acquire(self) -> None:
+        """Take a place in the bounded queue, or 429 now (before any tokenizing)."""
+        if self.num_pending >= self.settings.max_pending:
+            self.metrics.num_rejected += 1
+            raise APIError(429, f"The server is at capacity ({self.settings.max_pending} "
+                           "requests in progress); retry shortly.", code="rate_limit_exceeded",
+                           headers={"Retry-After": "1"})
+        self.num_pending += 1
+
+    def release(self) -> None:
+        self.num_pending -= 1
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def tenant(request: Request) -> str:
+    """The prefix-cache salt and owner of stored objects: set by the auth middleware."""
+    return request.scope.get("localserve.tenant", "")
+
+
+async def off_loop(fn: Callable, *args) -> Any:
+    """Tokenization and templating run in a worker thread, never on the event loop."""
+    return await asyncio.to_thread(fn, *args)
+
+
+def with_max_tokens(state: ServerState, params: SamplingParams, max_tokens: int | None,
+                    num_prompt_tokens: int, param: str) -> SamplingParams:
+    """Fill in max_tokens (default: the rest of the context) and refuse what cannot fit."""
+    limit = state.max_request_tokens
+    if num_prompt_tokens == 0:
+        raise invalid(param, "The prompt is empty.")
+    if max_tokens is None:
+        max_tokens = limit - num_prompt_tokens
+        if max_tokens < 1:
+            raise invalid(param, f"This model's maximum context length is {limit} tokens. "
+                          f"However, your messages resulted in {num_prompt_tokens} tokens.",
+                          code="context_length_exceeded")
+    params = replace(params, max_tokens=max_tokens)
+    try:
+        state.ready_engine().check(num_prompt_tokens, params)
+    except RequestTooLargeError as e:
+        raise invalid(param, str(e), code="context_length_exceeded") from None
+    return params
+
+
+async def stream_engine(
+    state: ServerState, prompt_ids: list[int], params: SamplingParams, request_id: str,
+    salt: str, priority: int = PRIORITY_INTERACTIVE,
+) -> AsyncIterator[CompletionChunk]:
+    """engine.generate with TTFT / inter-token / end-to-end metrics and finish counts."""
+    engine = state.ready_engine()
+    start = last = time.perf_counter()
+    first = True
+    m = state.metrics
+    async for chunk in engine.generate(prompt_ids, params, priority, salt, request_id):
+        now = time.perf_counter()
+        (m.ttft if first else m.itl).observe(now - last)
+        first, last = False, now
+        if chunk.finish_reason is not None:
+            m.finished[chunk.finish_reason] += 1
+        yield chunk
+    m.e2e.observe(time.perf_counter() - start)
+
+
+async def merged(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
+    """Items of several async iterators as they come, tagged with the iterator's index."""
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield 0, item
+        return
+    out: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, it: AsyncIterator[Any]) -> None:
+        try:
+            async for item in it:
+                await out.put((i, item))
+            await out.put((i, done))
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            await out.put((i, e))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await out.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
+    """Run `work`; if the client goes away first, cancel it (its requests are aborted)."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.create_task(watch())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        raise APIError(499, "The client closed the request.", code="client_closed_request")
+    return task.result()
+
+
+class TokenText:
+    """Token strings and bytes for logprobs (byte-level BPE tokens map back to raw bytes; a
+    token that is not whole UTF-8 reads `bytes:\\xe2\\x80`, as OpenAI writes it)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+        self._byte_decoder = _byte_decoder()
+
+    def __call__(self, token_id: int) -> tuple[str, list[int]]:
+        hit = self._cache.get(token_id)
+        if hit is None:
+            piece = self.tokenizer.convert_ids_to_tokens(token_id) or ""
+            if piece and all(c in self._byte_decoder for c in piece):
+                raw = bytes(self._byte_decoder[c] for c in piece)
+            else:
+                raw = self.tokenizer.decode([token_id]).encode()
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError:  # part of a character: OpenAI's escaped form
+                text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+            hit = self._cache[token_id] = (text, list(raw))
+        return hit
+
+
+def _byte_decoder() -> dict[str, int]:
+    """Inverse of GPT-2's byte -> printable character map."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(161, 173)) + list(range(174, 256))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs, strict=True)}
+
+
+def usage(num_prompt: int, num_completion: int, num_cached: int) -> dict[str, Any]:
+    return {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
+            "total_tokens": num_prompt + num_completion,
+            "prompt_tokens_details": {"cached_tokens": num_cached}}

@@ -1,0 +1,85 @@
+"""A real `localserve serve` process on a free port, for tests that drive it over HTTP."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+class ServerProcess:
+    def __init__(self, home: Path, args: list[str], log: Path, api_key: str | None = None):
+        self.home, self.args, self.log, self.api_key = home, args, log, api_key
+        self.proc: subprocess.Popen | None = None
+        self.port = 0
+        self.health_seen: list[int] = []  # /health status codes while starting
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def start(self, timeout: float = 120.0) -> ServerProcess:
+        env = dict(os.environ, LOCALSERVE_HOME=str(self.home), HF_HUB_OFFLINE="1",
+                   PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "cli.main", "serve", *self.args, "--port", "0"],
+            stdout=subprocess.DEVNULL, stderr=self.log.open("w"), env=env,
+            cwd=Path(__file__).resolve().parents[2])
+        deadline = time.monotonic() + timeout
+        while not self.port:
+            self._check_alive(deadline)
+            m = re.search(r"at http://127\.0\.0\.1:(\d+)/v1", self.log.read_text())
+            if m:
+                self.port = int(m.group(1))
+            time.sleep(0.05)
+        while True:
+            self._check_alive(deadline)
+            try:
+                status = httpx.get(f"{self.url}/health", timeout=5).status_code
+                self.health_seen.append(status)
+                if status == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+
+    def _check_alive(self, deadline: float) -> None:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"server exited with {self.proc.returncode}:\n"
+                               f"{self.log.read_text()}")
+        if time.monotonic() > deadline:
+            self.stop()
+            raise RuntimeError(f"server not ready in time:\n{self.log.read_text()}")
+
+    def metrics(self) -> dict[str, float]:
+        """/metrics samples, histograms left out, the model label dropped:
+        {'localserve:num_requests_running': 0.0, 'localserve:prompt_tokens_total{kind="batch"}':
+        ...}."""
+        text = httpx.get(f"{self.url}/metrics", headers=self.headers, timeout=10).text
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#") and "_bucket" not in line:
+                name, value = line.rsplit(" ", 1)
+                name = re.sub(r'model_name="[^"]*",?', "", name).replace("{}", "")
+                out[name] = float(value)
+        return out
+
+    def signal(self, sig: int = signal.SIGTERM) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)

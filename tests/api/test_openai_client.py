@@ -1,0 +1,155 @@
+"""The real server process driven by the official `openai` client (tiny random model)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import openai
+import pytest
+
+from tests.api.conftest import API_KEY, MODEL
+
+GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
+HELLO = [{"role": "user", "content": "Say hello to the world."}]
+# The tiny vocabulary starts with 3 special tokens, then bytes 33..126 in order: bias the
+# random model towards a-z so its text is printable.
+LETTERS = {str(3 + b - 33): 8 for b in range(ord("a"), ord("z") + 1)}
+
+
+def test_models_list_and_retrieve(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve("tiny").id == MODEL  # the bare alias resolves too
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("nope")
+    assert e.value.code == "model_not_found"
+
+
+def test_chat_stream_joins_to_the_plain_answer(client):
+    plain = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=24, **GREEDY)
+    assert plain.object == "chat.completion" and plain.id.startswith("chatcmpl-")
+    choice = plain.choices[0]
+    assert choice.message.role == "assistant" and choice.finish_reason == "length"
+    assert plain.usage.completion_tokens == 24
+    assert plain.usage.total_tokens == plain.usage.prompt_tokens + 24
+
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=HELLO, max_tokens=24, stream=True,
+        stream_options={"include_usage": True}, **GREEDY))
+    assert len({c.id for c in chunks}) == 1 and chunks[0].object == "chat.completion.chunk"
+    assert chunks[0].choices[0].delta.role == "assistant"
+    *content, finish, last = chunks
+    assert finish.choices[0].finish_reason == "length"
+    assert all(c.choices[0].finish_reason is None for c in content)
+    assert last.choices == [] and last.usage.completion_tokens == 24
+    assert all(c.usage is None for c in chunks[:-1])
+    assert "".join(c.choices[0].delta.content or "" for c in content) == \
+        choice.message.content
+
+
+def test_cached_tokens_reported_for_a_repeated_prompt(client):
+    messages = [{"role": "system", "content": "You are a careful assistant. " * 8},
+                {"role": "user", "content": "What is a prefix cache?"}]
+    first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2,
+                                           **GREEDY)
+    again = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2,
+                                           **GREEDY)
+    n = first.usage.prompt_tokens
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    # Every full 16-token block but the one holding the last prompt token (always computed).
+    assert again.usage.prompt_tokens_details.cached_tokens == (n - 1) // 16 * 16
+    assert again.choices[0].message.content == first.choices[0].message.content
+
+
+def ascii_window(text: str, start: int) -> str:
+    for i in range(start, len(text) - 2):
+        if all(c.isascii() and c.isprintable() and c != " " for c in text[i:i + 2]):
+            return text[i:i + 2]
+    raise AssertionError(f"no printable pair in {text!r}")
+
+
+def test_stop_string_ends_the_text_and_is_never_streamed(client):
+    kw = dict(model=MODEL, messages=HELLO, max_tokens=40, logit_bias=LETTERS, **GREEDY)
+    full = client.chat.completions.create(**kw).choices[0].message.content
+    stop = ascii_window(full, 6)
+    expected = full[:full.index(stop)]
+    got = client.chat.completions.create(stop=[stop], **kw).choices[0]
+    assert (got.message.content, got.finish_reason) == (expected, "stop")
+    streamed = client.chat.completions.create(stop=stop, stream=True, **kw)
+    pieces = [c.choices[0].delta.content or "" for c in streamed if c.choices]
+    assert "".join(pieces) == expected
+
+
+def test_n_choices_and_seed_reproducibility(client):
+    kw = dict(model=MODEL, messages=HELLO, max_tokens=12, temperature=1.0,
+              extra_body={"ignore_eos": True})
+    a = client.chat.completions.create(n=3, seed=7, **kw)
+    b = client.chat.completions.create(n=3, seed=7, **kw)
+    c = client.chat.completions.create(n=3, seed=8, **kw)
+    texts = [ch.message.content for ch in a.choices]
+    assert [ch.index for ch in a.choices] == [0, 1, 2]
+    assert texts == [ch.message.content for ch in b.choices]
+    assert texts != [ch.message.content for ch in c.choices]
+    assert len(set(texts)) == 3  # each choice has its own generator
+    assert a.usage.completion_tokens == 36
+
+
+def test_chat_logprobs(client):
+    r = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=6, logprobs=True,
+                                       top_logprobs=3, **GREEDY)
+    entries = r.choices[0].logprobs.content
+    assert len(entries) == 6
+    for e in entries:
+        assert len(e.top_logprobs) == 3
+        best = e.top_logprobs[0]
+        # Greedy: the chosen token is the most likely one.
+        assert (best.token, best.bytes) == (e.token, e.bytes)
+        assert best.logprob == pytest.approx(e.logprob, abs=1e-4)
+        assert e.logprob <= 0
+        try:
+            assert bytes(e.bytes).decode() == e.token
+        except UnicodeDecodeError:  # part of a character
+            assert e.token == "bytes:" + "".join(f"\\x{b:02x}" for b in e.bytes)
+
+
+def test_completions_prompt_forms_echo_and_logprobs(client):
+    one = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=5,
+                                    **GREEDY)
+    assert one.object == "text_completion" and one.choices[0].finish_reason == "length"
+    many = client.completions.create(model=MODEL, prompt=["The sky is", "Grass is"], n=2,
+                                     max_tokens=5, **GREEDY)
+    assert [c.index for c in many.choices] == [0, 1, 2, 3]
+    assert many.choices[0].text == one.choices[0].text == many.choices[1].text
+    assert many.usage.completion_tokens == 20
+    ids = client.completions.create(model=MODEL, prompt=[40, 41, 42, 43], max_tokens=3, **GREEDY)
+    assert ids.usage.prompt_tokens == 4
+    echo = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=5, echo=True,
+                                     **GREEDY)
+    assert echo.choices[0].text == "The sky is" + one.choices[0].text
+    lp = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=5, logprobs=2,
+                                   **GREEDY).choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert lp.text_offset[0] == 0 and all(len(t) == 2 for t in lp.top_logprobs)
+    streamed = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=5,
+                                         stream=True, **GREEDY)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == one.choices[0].text
+
+
+def test_32_concurrent_streams_all_complete(server):
+    async def one(client, i: int) -> tuple[str, int]:
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"Count to {i}."}],
+            max_tokens=16, stream=True, stream_options={"include_usage": True}, **GREEDY)
+        finish, usage = None, None
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].finish_reason:
+                finish = chunk.choices[0].finish_reason
+            if chunk.usage:
+                usage = chunk.usage.completion_tokens
+        return finish, usage
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY,
+                                      max_retries=0, timeout=120) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(32)))
+
+    assert asyncio.run(main()) == [("length", 16)] * 32
