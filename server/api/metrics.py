@@ -12,6 +12,7 @@ TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 
                 7.5, 10.0, 20.0, 40.0, 80.0)
 ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
                0.5, 0.75, 1.0, 2.5, 5.0)
+FINISH_REASONS = ("stop", "length", "abort")
 E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 
 
@@ -90,7 +91,7 @@ def render(model: str, api: ApiMetrics, stats: dict[str, Any] | None) -> str:
         metric("engine_step_seconds_total", "counter", "Time spent in engine steps.",
                [(m, stats["step_seconds"])])
     metric("request_success_total", "counter", "Finished requests by finish reason.",
-           [(f'{m},finished_reason="{r}"', n) for r, n in sorted(api.finished.items())])
+           [(f'{m},finished_reason="{r}"', api.finished[r]) for r in FINISH_REASONS])
     metric("request_rejected_total", "counter", "Requests refused with 429 (queue full).",
            [(m, api.num_rejected)])
     for name, hist, help_ in (

@@ -123,14 +123,19 @@ async def stream_engine(
     start = last = time.perf_counter()
     first = True
     m = state.metrics
-    async for chunk in engine.generate(prompt_ids, params, priority, salt, request_id):
-        now = time.perf_counter()
-        (m.ttft if first else m.itl).observe(now - last)
-        first, last = False, now
-        if chunk.finish_reason is not None:
-            m.finished[chunk.finish_reason] += 1
-        yield chunk
-    m.e2e.observe(time.perf_counter() - start)
+    num_open = params.n
+    try:
+        async for chunk in engine.generate(prompt_ids, params, priority, salt, request_id):
+            now = time.perf_counter()
+            (m.ttft if first else m.itl).observe(now - last)
+            first, last = False, now
+            if chunk.finish_reason is not None:
+                m.finished[chunk.finish_reason] += 1
+                num_open -= 1
+            yield chunk
+        m.e2e.observe(time.perf_counter() - start)
+    finally:
+        m.finished["abort"] += num_open  # the client left (or the request failed)
 
 
 async def merged(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:

@@ -39,11 +39,13 @@ class IncrementalDetokenizer:
         return self._emit(final=False)
 
     def flush(self) -> str:
-        """At the end: whatever was held back (a partial stop string that never completed)."""
+        """At the end: whatever was held back (a partial stop string that never completed).
+        A character cut off by the end (max_tokens mid-character) is dropped, never sent as
+        U+FFFD."""
         if self.stopped_by is None and self.read_offset < len(self.token_ids):
             full = self._decode(self.token_ids[self.prefix_offset:])
             prefix = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
-            self.text += full[len(prefix):]  # an unfinished character ends as U+FFFD
+            self.text += full[len(prefix):].rstrip("\ufffd")
             self.read_offset = len(self.token_ids)
         return self._emit(final=True)
 

@@ -13,11 +13,11 @@ MODEL = "tiny:bf16"
 
 @pytest.fixture(scope="session")
 def tiny_home(tmp_path_factory):
-    """$LOCALSERVE_HOME holding `tiny:bf16` (a 2-layer Llama, 1,024-token context)."""
+    """$LOCALSERVE_HOME holding `tiny:bf16` (a 2-layer Llama, 4,096-token context)."""
     from cli.main import main
 
     home = tmp_path_factory.mktemp("api-home")
-    folder = save_hf_folder(hf_model("llama", seed=3, max_position_embeddings=1024),
+    folder = save_hf_folder(hf_model("llama", seed=3, max_position_embeddings=4096),
                             tmp_path_factory.mktemp("hf") / "tiny")
     mp = pytest.MonkeyPatch()
     mp.setenv("LOCALSERVE_HOME", str(home))

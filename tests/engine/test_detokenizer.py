@@ -66,3 +66,10 @@ def test_stop_string_inside_multibyte_text(tok):
 def test_earliest_of_several_stops_wins(tok):
     pieces, d = stream(tok, "one two three", stop=("three", "two"))
     assert "".join(pieces) == "one " and d.stopped_by == "two"
+
+
+def test_character_cut_off_at_the_end_is_dropped(tok):
+    ids = tok("ok 🎉", add_special_tokens=False).input_ids  # the emoji is 4 byte tokens
+    d = IncrementalDetokenizer(tok)
+    out = "".join(d.add(i) for i in ids[:-2])  # max_tokens ends inside the emoji
+    assert out + d.flush() == "ok "

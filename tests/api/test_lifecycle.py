@@ -1,0 +1,103 @@
+"""Disconnects free the request's KV blocks; a full queue answers 429; SIGTERM drains."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import httpx
+import pytest
+
+from tests.api.conftest import MODEL
+from tests.api.server import ServerProcess
+
+LONG = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me everything."}],
+        "max_tokens": 4000, "temperature": 0, "ignore_eos": True}
+ABORTED = 'localserve:request_success_total{finished_reason="abort"}'
+GENERATED = 'localserve:generation_tokens_total{kind="interactive"}'
+
+
+def wait_idle(server: ServerProcess, timeout: float = 20.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        m = server.metrics()
+        if m["localserve:num_requests_running"] == 0 and \
+                m["localserve:kv_cache_blocks_used"] == 0:
+            return m
+        assert time.monotonic() < deadline, m
+        time.sleep(0.05)
+
+
+def open_stream(client: httpx.Client, body: dict):
+    """Start a stream and read its first event: (response, line iterator). Dropping the
+    iterator closes the response."""
+    r = client.send(client.build_request("POST", "/v1/chat/completions",
+                                         json=body | {"stream": True}), stream=True)
+    assert r.status_code == 200
+    lines = r.iter_lines()
+    assert next(line for line in lines if line.startswith("data:"))
+    return r, lines
+
+
+def test_disconnect_mid_stream_frees_blocks(server):
+    before = wait_idle(server)
+    with httpx.Client(base_url=server.url, headers=server.headers, timeout=30) as client:
+        r, lines = open_stream(client, LONG)
+        assert server.metrics()["localserve:kv_cache_blocks_used"] > 0
+        r.close()
+    after = wait_idle(server)
+    assert after[ABORTED] == before[ABORTED] + 1
+    assert after[GENERATED] - before[GENERATED] < 4000  # stopped, not run to the end
+
+
+def test_disconnect_while_waiting_for_a_plain_answer(server):
+    before = wait_idle(server)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/chat/completions", json=LONG, headers=server.headers,
+                   timeout=0.5)
+    after = wait_idle(server)
+    assert after[ABORTED] == before[ABORTED] + 1
+    assert after[GENERATED] - before[GENERATED] < 4000
+
+
+@pytest.fixture
+def small_server(tiny_home, tmp_path):
+    """Its own process: a queue of 2 requests, a short drain."""
+    proc = ServerProcess(tiny_home, [MODEL, "--max-pending", "2", "--drain-timeout", "20"],
+                         tmp_path / "server.log").start()
+    yield proc
+    proc.stop()
+
+
+def test_full_queue_is_429_with_retry_after_then_recovers(small_server):
+    with httpx.Client(base_url=small_server.url, timeout=30) as client:
+        streams = [open_stream(client, LONG) for _ in range(2)]  # (kept: closing is leaving)
+        r = client.post("/v1/chat/completions", json=LONG | {"max_tokens": 1})
+        assert r.status_code == 429 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["code"] == "rate_limit_exceeded"
+        for response, _ in streams:
+            response.close()
+        deadline = time.monotonic() + 20
+        while (r := client.post("/v1/chat/completions", json=LONG | {"max_tokens": 1})
+               ).status_code == 429:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert r.status_code == 200
+    assert small_server.metrics()["localserve:request_rejected_total"] >= 1
+
+
+def test_sigterm_drains_in_flight_requests_and_exits_cleanly(small_server):
+    with httpx.Client(base_url=small_server.url, timeout=60) as client:
+        r, lines = open_stream(client, LONG | {"max_tokens": 400})
+        small_server.signal(signal.SIGTERM)
+        time.sleep(0.3)
+        late = client.post("/v1/chat/completions", json=LONG | {"max_tokens": 1})
+        assert late.status_code == 503 and late.json()["error"]["code"] == \
+            "server_shutting_down"
+        assert client.get("/health").json() == {"status": "draining"}
+        events = [line[len("data: "):] for line in lines if line.startswith("data:")]
+        r.close()
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+    assert small_server.proc.wait(30) == 0

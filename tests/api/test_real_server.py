@@ -1,0 +1,58 @@
+"""End to end: `localserve serve` with no model name on the real smollm2-135m (int4)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.api.server import ServerProcess
+
+pytestmark = pytest.mark.real_model
+
+VIETNAMESE = ("Việt Nam là một quốc gia nằm ở phía đông bán đảo Đông Dương. Thủ đô của Việt "
+              "Nam là")
+
+
+@pytest.fixture(scope="module")
+def real_server(real_home, tmp_path_factory):
+    env = dict(os.environ, LOCALSERVE_HOME=str(real_home))
+    pull = subprocess.run([sys.executable, "-m", "cli.main", "pull", "smollm2-135m", "--bits",
+                           "4"], capture_output=True, text=True, env=env, timeout=600)
+    assert pull.returncode == 0, pull.stderr[-2000:]
+    proc = ServerProcess(real_home, [], tmp_path_factory.mktemp("real") / "server.log").start()
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def client(real_server):
+    from openai import OpenAI
+
+    with OpenAI(base_url=f"{real_server.url}/v1", api_key="unused", max_retries=0,
+                timeout=120) as c:
+        yield c
+
+
+def test_default_model_is_served_and_answers_paris(client):
+    assert [m.id for m in client.models.list().data] == ["smollm2-135m:int4"]
+    r = client.chat.completions.create(
+        model="smollm2-135m", messages=[{"role": "user", "content": "What is the capital of "
+                                         "France?"}], max_tokens=24, temperature=0)
+    assert "Paris" in r.choices[0].message.content
+    assert r.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("max_tokens", [40, 41, 42, 43])  # some end inside a character
+def test_vietnamese_stream_has_no_replacement_characters(client, max_tokens):
+    kw = dict(model="smollm2-135m:int4", prompt=VIETNAMESE, max_tokens=max_tokens,
+              temperature=0)
+    pieces = [c.choices[0].text for c in client.completions.create(stream=True, **kw)
+              if c.choices]
+    text = "".join(pieces)
+    assert not any("\ufffd" in p for p in pieces)
+    assert text == client.completions.create(**kw).choices[0].text
+    assert sum(not c.isascii() for c in text) >= 5  # really Vietnamese, multi-byte
+    assert len([p for p in pieces if p]) > 10  # really streamed
