@@ -7,9 +7,28 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import hf_model, save_hf_folder
+
 
 @pytest.fixture(scope="session")
 def real_home() -> Path:
     """Store for the real smollm2-135m: $LOCALSERVE_TEST_HOME or ~/.cache/localserve-tests."""
     default = Path.home() / ".cache" / "localserve-tests"
     return Path(os.environ.get("LOCALSERVE_TEST_HOME", default))
+
+
+@pytest.fixture(scope="session")
+def tiny_home(tmp_path_factory):
+    """$LOCALSERVE_HOME holding `tiny:bf16` (a 2-layer Llama, 4,096-token context)."""
+    from cli.main import main
+
+    home = tmp_path_factory.mktemp("api-home")
+    folder = save_hf_folder(hf_model("llama", seed=3, max_position_embeddings=4096),
+                            tmp_path_factory.mktemp("hf") / "tiny")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("LOCALSERVE_HOME", str(home))
+    try:
+        assert main(["pull", str(folder), "--bits", "16"]) == 0
+    finally:
+        mp.undo()
+    return home

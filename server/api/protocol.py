@@ -190,7 +190,7 @@ def parse_chat(body: dict[str, Any], vocab_size: int) -> ChatRequest:
     kw, other = _common(f, vocab_size)
     logprobs = f.bool("logprobs")
     top = f.int("top_logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
-    if top is not None and not logprobs:
+    if top and not logprobs:
         raise invalid("top_logprobs", "'top_logprobs' requires 'logprobs' to be true.")
     max_tokens = _max_tokens(f)
     f.refuse("tools", what="tool calling")

@@ -1,31 +1,13 @@
-"""One tiny random-weight model in a temporary store, served by real server processes."""
+"""Real server processes serving the tiny model of `tiny_home` (tests/conftest.py)."""
 
 from __future__ import annotations
 
 import pytest
 
 from tests.api.server import ServerProcess
-from tests.helpers import hf_model, save_hf_folder
 
 API_KEY = "sk-test-key"
 MODEL = "tiny:bf16"
-
-
-@pytest.fixture(scope="session")
-def tiny_home(tmp_path_factory):
-    """$LOCALSERVE_HOME holding `tiny:bf16` (a 2-layer Llama, 4,096-token context)."""
-    from cli.main import main
-
-    home = tmp_path_factory.mktemp("api-home")
-    folder = save_hf_folder(hf_model("llama", seed=3, max_position_embeddings=4096),
-                            tmp_path_factory.mktemp("hf") / "tiny")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("LOCALSERVE_HOME", str(home))
-    try:
-        assert main(["pull", str(folder), "--bits", "16"]) == 0
-    finally:
-        mp.undo()
-    return home
 
 
 @pytest.fixture(scope="session")

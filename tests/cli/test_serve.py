@@ -1,0 +1,41 @@
+"""`localserve serve` refuses what it cannot do in one line, before loading anything."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from cli.main import main
+
+
+@pytest.fixture
+def empty_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOCALSERVE_HOME", str(tmp_path))
+
+
+def one_line_error(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("localserve: error: ")
+    return err[0]
+
+
+def test_unknown_model(empty_home, capsys):
+    assert main(["serve", "nosuch"]) == 1
+    assert "localserve pull nosuch" in one_line_error(capsys)
+
+
+@pytest.mark.parametrize("flag", ["--max-num-seqs", "--max-pending", "--kv-cache-mb"])
+def test_bad_numbers(empty_home, capsys, flag):
+    assert main(["serve", "nosuch", flag, "0"]) == 1
+    assert flag in one_line_error(capsys)
+
+
+def test_port_in_use(tiny_home, monkeypatch, capsys):
+    monkeypatch.setenv("LOCALSERVE_HOME", str(tiny_home))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "tiny", "--port", str(port)]) == 1
+    assert "Address already in use" in one_line_error(capsys)
