@@ -41,6 +41,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-body-mb", type=int, default=16, help="JSON body limit (default 16)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may take after SIGTERM (default 30)")
+    p.add_argument("--batch-window", type=int, default=24 * 3600, metavar="SECONDS",
+                   help="how long a batch may take before it expires (default 86400: the "
+                   "'24h' completion window)")
+    p.add_argument("--batch-max-running", type=int, default=None,
+                   help="batch lines in the engine at once (default: --max-num-seqs)")
+    p.add_argument("--price-input", type=float, default=0.10,
+                   help="US$ per million prompt tokens, for /v1/usage (default 0.10)")
+    p.add_argument("--price-output", type=float, default=0.40,
+                   help="US$ per million completion tokens (default 0.40)")
+    p.add_argument("--batch-discount", type=float, default=0.5,
+                   help="discount on batch tokens, 0..1 (default 0.5)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: auto)")
     p.add_argument("--dtype", default=None, choices=("bf16", "fp32"), help="default: auto")
     p.add_argument("--log-level", default="info",
@@ -52,11 +63,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from server.api.app import create_app
     from server.api.serving import ServerSettings, ServerState
+    from server.api.usage import Prices
     from server.engine.engine import EngineConfig
 
     for flag in ("max_num_seqs", "max_num_batched_tokens", "max_pending", "max_body_mb"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be at least 1")
+    for flag in ("batch_window", "batch_max_running"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be at least 1")
+    if not 0 <= args.batch_discount <= 1 or args.price_input < 0 or args.price_output < 0:
+        raise ValueError("prices must be >= 0 and --batch-discount within 0..1")
     if args.kv_cache_mb is not None and args.kv_cache_mb < 1:
         raise ValueError("--kv-cache-mb must be at least 1")
     if not 0 <= args.port <= 65535:
@@ -74,7 +91,10 @@ def run(args: argparse.Namespace) -> int:
             max_model_len=args.max_model_len,
             kv_cache_bytes=args.kv_cache_mb << 20 if args.kv_cache_mb else None,
             enable_prefix_caching=not args.no_prefix_caching),
-        device=args.device, dtype=args.dtype)
+        device=args.device, dtype=args.dtype,
+        prices=Prices(args.price_input, args.price_output, args.batch_discount),
+        batch_window_seconds=args.batch_window,
+        batch_max_running=args.batch_max_running or args.max_num_seqs)
     sock = _bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host

@@ -15,8 +15,9 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from server.api import metrics
+from server.api import batches, files, metrics
 from server.api.auth import AuthMiddleware
+from server.api.batch_worker import BatchWorker
 from server.api.chat import create_chat_completion
 from server.api.completions import create_completion
 from server.api.errors import (
@@ -26,6 +27,7 @@ from server.api.errors import (
     unexpected_error_handler,
 )
 from server.api.serving import ServerSettings, ServerState
+from server.api.usage import get_usage
 
 log = logging.getLogger("localserve")
 
@@ -105,18 +107,26 @@ def create_app(settings: ServerSettings, state: ServerState | None = None) -> St
     async def lifespan(app: Starlette):
         async def load() -> None:
             try:
-                await asyncio.to_thread(load_into, state)
+                if state.engine is None:
+                    await asyncio.to_thread(load_into, state)
                 log.info("model %s ready", state.served_name)
             except Exception as e:  # noqa: BLE001 - reported by /health and every request
                 state.load_error = f"{type(e).__name__}: {e}"
                 log.error("loading %s failed: %s", settings.model, state.load_error)
+                return
+            state.worker = BatchWorker(state)  # resumes batches left unfinished
+            state.worker.start()
 
-        task = asyncio.create_task(load()) if state.engine is None else None
+        task = asyncio.create_task(load())
         yield
-        if task is not None and not task.done():
+        if not task.done():
             task.cancel()
+        if state.worker is not None:
+            await state.worker.stop()
+        await state.flush_usage()
         if state.engine is not None:
             await asyncio.to_thread(state.engine.shutdown)
+        state.db.close()
 
     routes = [
         Route("/health", health, methods=["GET"]),
@@ -125,6 +135,16 @@ def create_app(settings: ServerSettings, state: ServerState | None = None) -> St
         Route("/v1/models/{model:path}", get_model, methods=["GET"]),
         Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
         Route("/v1/completions", create_completion, methods=["POST"]),
+        Route("/v1/files", files.upload_file, methods=["POST"]),
+        Route("/v1/files", files.list_files, methods=["GET"]),
+        Route("/v1/files/{file_id}", files.get_file, methods=["GET"]),
+        Route("/v1/files/{file_id}", files.delete_file, methods=["DELETE"]),
+        Route("/v1/files/{file_id}/content", files.file_content, methods=["GET"]),
+        Route("/v1/batches", batches.create_batch, methods=["POST"]),
+        Route("/v1/batches", batches.list_batches, methods=["GET"]),
+        Route("/v1/batches/{batch_id}", batches.get_batch, methods=["GET"]),
+        Route("/v1/batches/{batch_id}/cancel", batches.cancel_batch, methods=["POST"]),
+        Route("/v1/usage", get_usage, methods=["GET"]),
     ]
     app = Starlette(
         routes=routes,

@@ -25,6 +25,7 @@ from server.api.serving import (
 )
 from server.api.sse import sse_response
 from server.engine.engine import CompletionChunk
+from server.engine.sequence import PRIORITY_INTERACTIVE
 from server.models.tokenizer import chat_prompt_ids
 
 SYSTEM_FINGERPRINT = "localserve"
@@ -39,19 +40,35 @@ async def create_chat_completion(request: Request) -> Response:
     state.acquire()
     handed_to_stream = False  # a stream releases its place when it ends
     try:
-        prompt_ids = await off_loop(_prompt_ids, state.tokenizer, req.messages)
-        params = with_max_tokens(state, req.params, req.max_tokens, len(prompt_ids), "messages")
-        rid = new_id("chatcmpl")
-        chunks = stream_engine(state, prompt_ids, params, rid, tenant(request))
+        rid, chunks, num_prompt = await _start(state, req, tenant(request), PRIORITY_INTERACTIVE)
         if req.stream:
             handed_to_stream = True
-            return sse_response(_stream(state, req, rid, chunks, len(prompt_ids)),
-                                state.release)
+            return sse_response(_stream(state, req, rid, chunks, num_prompt), state.release)
         return JSONResponse(await until_disconnect(
-            request, _collect(state, req, rid, chunks, len(prompt_ids))))
+            request, _collect(state, req, rid, chunks, num_prompt)))
     finally:
         if not handed_to_stream:
             state.release()
+
+
+async def chat_answer(state: ServerState, body: dict[str, Any], salt: str, priority: int
+                      ) -> dict[str, Any]:
+    """The `chat.completion` a plain request with this body gets (the batch queue's way in);
+    raises APIError as the endpoint would answer it."""
+    req = parse_chat(body, state.vocab_size)
+    state.check_model(req.model)
+    if req.stream:
+        raise invalid("stream", "Batch requests cannot stream.")
+    rid, chunks, num_prompt = await _start(state, req, salt, priority)
+    return await _collect(state, req, rid, chunks, num_prompt)
+
+
+async def _start(state: ServerState, req: ChatRequest, salt: str, priority: int
+                 ) -> tuple[str, AsyncIterator[CompletionChunk], int]:
+    prompt_ids = await off_loop(_prompt_ids, state.tokenizer, req.messages)
+    params = with_max_tokens(state, req.params, req.max_tokens, len(prompt_ids), "messages")
+    rid = new_id("chatcmpl")
+    return rid, stream_engine(state, prompt_ids, params, rid, salt, priority), len(prompt_ids)
 
 
 def _prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:

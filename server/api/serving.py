@@ -9,15 +9,21 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from starlette.requests import Request
 
 from server.api.errors import APIError, invalid, model_not_found
 from server.api.metrics import ApiMetrics
+from server.api.usage import Prices, UsageMeter
 from server.engine.engine import AsyncEngine, CompletionChunk, EngineConfig
 from server.engine.scheduler import RequestTooLargeError
 from server.engine.sequence import PRIORITY_INTERACTIVE, SamplingParams
+from storage.batches import BatchStore, add_usage
+from storage.db import Database
+from storage.files import FileStore
+from storage.models import home_dir
 
 
 @dataclass(slots=True)
@@ -30,6 +36,12 @@ class ServerSettings:
     engine: EngineConfig = field(default_factory=EngineConfig)
     device: str | None = None
     dtype: str | None = None
+    home: Path | None = None  # default: $LOCALSERVE_HOME
+    prices: Prices = field(default_factory=Prices)
+    batch_window_seconds: int = 24 * 3600  # completion_window "24h"
+    batch_max_running: int = 64  # batch lines in the engine at once
+    max_file_bytes: int = 200 << 20
+    max_batch_lines: int = 50_000
 
 
 class ServerState:
@@ -45,9 +57,25 @@ class ServerState:
         self.num_http_inflight = 0  # requests inside the app (SIGTERM waits for 0)
         self.num_pending = 0  # generation requests admitted and not finished
         self.metrics = ApiMetrics()
+        self.usage = UsageMeter()
         self.created = int(time.time())
         self.vocab_size = 0
         self.max_request_tokens = 0  # prompt + completion tokens one sequence may hold
+        home = settings.home or home_dir()
+        self.db = Database(home / "localserve.db")
+        self.files = FileStore(self.db, home / "files")
+        self.batches = BatchStore(self.db, self.files)
+        self.worker: Any = None  # the BatchWorker, once the model is loaded
+
+    def wake_batches(self) -> None:
+        if self.worker is not None:
+            self.worker.wake.set()
+
+    async def flush_usage(self) -> None:
+        """Write the interactive usage counted in memory."""
+        rows = self.usage.take()
+        if rows:
+            await self.db.run(_add_usage_rows, self.db, rows)
 
     def attach(self, engine: AsyncEngine, served_name: str) -> None:
         self.engine, self.tokenizer, self.served_name = engine, engine.tokenizer, served_name
@@ -78,6 +106,12 @@ class ServerState:
 
     def release(self) -> None:
         self.num_pending -= 1
+
+
+def _add_usage_rows(db: Database, rows: list[dict[str, Any]]) -> None:
+    with db.transaction() as conn:
+        for row in rows:
+            add_usage(conn, row)
 
 
 def new_id(prefix: str) -> str:
@@ -124,11 +158,15 @@ async def stream_engine(
     first = True
     m = state.metrics
     num_open = params.n
+    num_output = [0] * params.n
+    num_cached = 0
     try:
         async for chunk in engine.generate(prompt_ids, params, priority, salt, request_id):
             now = time.perf_counter()
             (m.ttft if first else m.itl).observe(now - last)
             first, last = False, now
+            num_output[chunk.index] = chunk.num_output_tokens
+            num_cached = chunk.num_cached_tokens if chunk.index == 0 else num_cached
             if chunk.finish_reason is not None:
                 m.finished[chunk.finish_reason] += 1
                 num_open -= 1
@@ -136,6 +174,9 @@ async def stream_engine(
         m.e2e.observe(time.perf_counter() - start)
     finally:
         m.finished["abort"] += num_open  # the client left (or the request failed)
+        if priority == PRIORITY_INTERACTIVE:  # batch lines count when their result is stored
+            state.usage.add(salt, "interactive", state.served_name, len(prompt_ids),
+                            sum(num_output), num_cached)
 
 
 async def merged(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:

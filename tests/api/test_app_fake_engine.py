@@ -32,8 +32,8 @@ class FailingEngine:
 
 
 @pytest.fixture
-def app():
-    settings = ServerSettings(model="fake:bf16")
+def app(tmp_path):
+    settings = ServerSettings(model="fake:bf16", home=tmp_path)
     state = ServerState(settings)
     state.engine, state.tokenizer = FailingEngine(), make_tokenizer()
     state.vocab_size, state.max_request_tokens = 300, 1024

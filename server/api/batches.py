@@ -1,0 +1,107 @@
+"""/v1/batches: create, retrieve, list, cancel (the queue itself is batch_worker.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from server.api.body import read_json
+from server.api.errors import APIError, invalid, unsupported
+from server.api.files import int_param, not_found, page
+from server.api.protocol import Fields
+from server.api.serving import ServerState, tenant
+from storage.batches import batch_object
+
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+OPENAI_ONLY_ENDPOINTS = ("/v1/responses", "/v1/embeddings", "/v1/moderations")
+
+
+async def create_batch(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    f = Fields(await read_json(request, state))
+    input_file_id = f.str("input_file_id", required=True)
+    endpoint = f.str("endpoint", required=True)
+    window = f.str("completion_window", required=True)
+    metadata = _metadata(f.raw("metadata"))
+    f.refuse("output_expires_after", what="output files do not expire")
+    f.check_unknown()
+    if endpoint in OPENAI_ONLY_ENDPOINTS:
+        raise unsupported("endpoint", f"{endpoint} is not served")
+    if endpoint not in ENDPOINTS:
+        raise invalid("endpoint", f"Invalid endpoint {endpoint!r}: use one of "
+                      f"{', '.join(ENDPOINTS)}.")
+    if window != "24h":
+        raise invalid("completion_window", "Invalid 'completion_window': only '24h' is "
+                      "supported.")
+    owner = tenant(request)
+    file = await state.db.run(state.files.get, owner, input_file_id)
+    if file is None:
+        raise invalid("input_file_id", f"No such File object: {input_file_id}")
+    if file["purpose"] != "batch":
+        raise invalid("input_file_id", f"File {input_file_id} has purpose "
+                      f"{file['purpose']!r}; a batch needs purpose 'batch'.")
+    row = await state.db.run(
+        state.batches.create, owner,
+        {"input_file_id": input_file_id, "endpoint": endpoint, "completion_window": window,
+         "metadata": metadata},
+        state.settings.batch_window_seconds, request.headers.get("idempotency-key"))
+    state.wake_batches()
+    return JSONResponse(await _object(state, row))
+
+
+async def get_batch(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    return JSONResponse(await _object(state, await _row(request)))
+
+
+async def list_batches(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    q = request.query_params
+    limit = int_param(q.get("limit"), "limit", 20, 1, 100)
+    rows, has_more = await state.db.run(state.batches.list, tenant(request), q.get("after"),
+                                        limit)
+    return JSONResponse(page([await _object(state, r) for r in rows], has_more))
+
+
+async def cancel_batch(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    row = await _row(request)
+    if row["status"] in ("validating", "in_progress"):
+        await state.db.run(state.batches.set_status, row["id"], "cancelling",
+                           ("validating", "in_progress"))
+        state.wake_batches()
+    elif row["status"] != "cancelling":
+        raise APIError(409, f"Cannot cancel a batch with status {row['status']!r}.",
+                       param="batch_id", code="batch_not_cancellable")
+    return JSONResponse(await _object(state, await _row(request)))
+
+
+async def _row(request: Request) -> dict[str, Any]:
+    state: ServerState = request.app.state.server
+    batch_id = request.path_params["batch_id"]
+    row = await state.db.run(state.batches.get, tenant(request), batch_id)
+    if row is None:
+        raise not_found("Batch", batch_id)
+    return row
+
+
+async def _object(state: ServerState, row: dict[str, Any]) -> dict[str, Any]:
+    usage = await state.db.run(state.batches.usage, row["id"])
+    return batch_object(row, usage)
+
+
+def _metadata(v: Any) -> dict[str, str] | None:
+    """At most 16 pairs; keys up to 64 characters, string values up to 512."""
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise invalid("metadata", "Invalid type for 'metadata': expected an object.")
+    if len(v) > 16:
+        raise invalid("metadata", "'metadata' holds at most 16 pairs.")
+    for key, value in v.items():
+        if len(key) > 64 or not isinstance(value, str) or len(value) > 512:
+            raise invalid("metadata", f"Invalid metadata pair {key!r}: keys up to 64 "
+                          "characters, string values up to 512.")
+    return v

@@ -1,0 +1,131 @@
+"""/v1/files: upload (multipart), list, retrieve, content, delete; a key sees only its own."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from starlette.datastructures import UploadFile
+from starlette.requests import Request
+from starlette.responses import FileResponse, JSONResponse, Response
+
+from server.api.errors import APIError, invalid
+from server.api.serving import ServerState, tenant
+from storage.files import file_object
+
+PURPOSES = ("batch",)
+
+
+def not_found(kind: str, object_id: str) -> APIError:
+    return APIError(404, f"No such {kind} object: {object_id}", param="id")
+
+
+async def upload_file(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    limit = state.settings.max_file_bytes
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit + (1 << 20):
+        raise APIError(413, f"The file is larger than the limit of {limit} bytes.",
+                       param="file", code="file_too_large")
+    if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+        raise invalid(None, "Upload files as multipart/form-data with fields 'file' and "
+                      "'purpose'.")
+    try:
+        form = await request.form(max_files=1, max_fields=8)
+    except Exception as e:  # noqa: BLE001 - malformed multipart is the client's
+        raise invalid(None, f"Could not parse the multipart body: {e}") from None
+    async with form:
+        purpose = form.get("purpose")
+        upload = form.get("file")
+        if not isinstance(purpose, str) or not purpose:
+            raise invalid("purpose", "Missing required parameter: 'purpose'.")
+        if purpose not in PURPOSES:
+            raise invalid("purpose", f"Unsupported purpose {purpose!r}: localserve accepts "
+                          f"{', '.join(map(repr, PURPOSES))}.")
+        if not isinstance(upload, UploadFile):
+            raise invalid("file", "Missing required parameter: 'file' (a file part).")
+        scratch = state.files.scratch()
+        try:
+            size = await asyncio.to_thread(_copy, upload, scratch, limit)
+            if size > limit:
+                raise APIError(413, f"The file is larger than the limit of {limit} bytes.",
+                               param="file", code="file_too_large")
+            row = await state.db.run(state.files.add, tenant(request),
+                                     upload.filename or "upload.jsonl", purpose, scratch,
+                                     request.headers.get("idempotency-key"))
+        except BaseException:
+            scratch.unlink(missing_ok=True)
+            raise
+    return JSONResponse(file_object(row))
+
+
+def _copy(upload: UploadFile, scratch, limit: int) -> int:
+    """Copy the spooled upload to `scratch`; returns its size (stops once past `limit`)."""
+    upload.file.seek(0)
+    size = 0
+    with scratch.open("wb") as out:
+        while chunk := upload.file.read(1 << 20):
+            size += len(chunk)
+            if size > limit:
+                return size
+            out.write(chunk)
+    return size
+
+
+async def list_files(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    q = request.query_params
+    limit = int_param(q.get("limit"), "limit", 10000, 1, 10000)
+    order = q.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise invalid("order", "'order' must be 'asc' or 'desc'.")
+    rows, has_more = await state.db.run(state.files.list, tenant(request), q.get("purpose"),
+                                        q.get("after"), limit, order)
+    return JSONResponse(page([file_object(r) for r in rows], has_more))
+
+
+async def get_file(request: Request) -> Response:
+    return JSONResponse(file_object(await _row(request)))
+
+
+async def file_content(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    row = await _row(request)
+    return FileResponse(state.files.path(row), media_type="application/octet-stream",
+                        filename=row["filename"])
+
+
+async def delete_file(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    file_id = request.path_params["file_id"]
+    if not await state.db.run(state.files.delete, tenant(request), file_id):
+        raise not_found("File", file_id)
+    return JSONResponse({"id": file_id, "object": "file", "deleted": True})
+
+
+async def _row(request: Request) -> dict[str, Any]:
+    state: ServerState = request.app.state.server
+    file_id = request.path_params["file_id"]
+    row = await state.db.run(state.files.get, tenant(request), file_id)
+    if row is None:
+        raise not_found("File", file_id)
+    return row
+
+
+def int_param(value: str | None, name: str, default: int, lo: int, hi: int) -> int:
+    if value is None:
+        return default
+    try:
+        n = int(value)
+    except ValueError:
+        raise invalid(name, f"'{name}' must be an integer, got {value!r}.") from None
+    if not lo <= n <= hi:
+        raise invalid(name, f"'{name}' must be from {lo} to {hi}, got {n}.")
+    return n
+
+
+def page(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
+    """OpenAI's cursor page."""
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": has_more}
+

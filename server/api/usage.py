@@ -1,0 +1,112 @@
+"""Token accounting and cost: interactive vs batch, by day and API key; GET /v1/usage.
+
+Batch lines are counted in the transaction that stores their result (exact across crashes).
+Interactive requests are counted in memory and flushed to SQLite every few seconds and at
+shutdown (a kill -9 loses at most the last few seconds of interactive counts).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from server.api.errors import invalid
+
+
+@dataclass(slots=True)
+class Prices:
+    """US dollars per million tokens; batch tokens cost (1 - batch_discount) of that."""
+
+    input_per_million: float = 0.10
+    output_per_million: float = 0.40
+    batch_discount: float = 0.5
+
+    def cost(self, kind: str, prompt_tokens: int, completion_tokens: int) -> float:
+        factor = 1.0 - self.batch_discount if kind == "batch" else 1.0
+        return factor * (prompt_tokens * self.input_per_million
+                         + completion_tokens * self.output_per_million) / 1e6
+
+    def as_dict(self) -> dict[str, float]:
+        return {"input_per_million": self.input_per_million,
+                "output_per_million": self.output_per_million,
+                "batch_discount": self.batch_discount}
+
+
+def today() -> str:
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%d")
+
+
+class UsageMeter:
+    """Interactive usage waiting to be written: (day, tenant, kind, model) -> counters."""
+
+    def __init__(self) -> None:
+        self.pending: dict[tuple[str, str, str, str], Counter[str]] = {}
+
+    def add(self, tenant: str, kind: str, model: str, prompt_tokens: int,
+            completion_tokens: int, cached_tokens: int) -> None:
+        c = self.pending.setdefault((today(), tenant, kind, model), Counter())
+        c.update(requests=1, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                 cached_tokens=cached_tokens)
+
+    def take(self) -> list[dict[str, Any]]:
+        """The pending rows, leaving nothing pending."""
+        rows = [{"day": day, "tenant": tenant, "kind": kind, "model": model,
+                 "requests": c["requests"], "prompt_tokens": c["prompt_tokens"],
+                 "completion_tokens": c["completion_tokens"],
+                 "cached_tokens": c["cached_tokens"]}
+                for (day, tenant, kind, model), c in self.pending.items()]
+        self.pending = {}
+        return rows
+
+
+def _date(request: Request, name: str) -> str | None:
+    value = request.query_params.get(name)
+    if value is None:
+        return None
+    try:
+        return dt.date.fromisoformat(value).isoformat()
+    except ValueError:
+        raise invalid(name, f"'{name}' must be a date like 2026-11-30, got {value!r}.") from None
+
+
+async def get_usage(request: Request) -> Response:
+    """Tokens and cost by day, API key and kind (interactive / batch) for the caller's key."""
+    from server.api.serving import tenant
+
+    state = request.app.state.server
+    start, end = _date(request, "start_date"), _date(request, "end_date")
+    await state.flush_usage()
+    rows = await state.db.run(_query, tenant(request), start, end)
+    prices: Prices = state.settings.prices
+    total = Counter()
+    data = []
+    for r in rows:
+        cost = prices.cost(r["kind"], r["prompt_tokens"], r["completion_tokens"])
+        data.append({"date": r["day"], "api_key_id": r["tenant"] or None, "kind": r["kind"],
+                     "model": r["model"], "requests": r["requests"],
+                     "prompt_tokens": r["prompt_tokens"],
+                     "completion_tokens": r["completion_tokens"],
+                     "cached_tokens": r["cached_tokens"], "cost_usd": round(cost, 8)})
+        total.update({k: r[k] for k in ("requests", "prompt_tokens", "completion_tokens",
+                                        "cached_tokens")})
+        total["cost_usd"] += cost
+    totals = dict(total) | {"cost_usd": round(total["cost_usd"], 8)}
+    return JSONResponse({"object": "list", "data": data, "total": totals,
+                         "prices": prices.as_dict()})
+
+
+def _query(db, tenant: str, start: str | None, end: str | None) -> list[dict[str, Any]]:
+    where, args = ["tenant = ?"], [tenant]
+    if start:
+        where.append("day >= ?")
+        args.append(start)
+    if end:
+        where.append("day <= ?")
+        args.append(end)
+    return list(db.db.query(f"select * from usage where {' and '.join(where)} order by day, "
+                            "kind, model", args))

@@ -1,0 +1,247 @@
+"""Batches and their lines in SQLite: the durable half of the Batch API.
+
+A line is 'pending' until its result is stored; storing it moves it to 'done' (2xx), 'failed'
+(an error answer) or 'cancelled' / 'expired' in the same transaction that counts it, and only
+if it was still pending. So a line that ran twice (a crash between running and storing) is
+stored once, and the output file, written from these rows, has every custom_id exactly once.
+Every method runs on the database thread.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+from storage.db import Database
+from storage.files import FileStore, idempotent_hit, remember
+
+ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
+TIMESTAMPS = ("created_at", "in_progress_at", "expires_at", "finalizing_at", "completed_at",
+              "failed_at", "expired_at", "cancelling_at", "cancelled_at")
+
+
+def new_batch_id() -> str:
+    return f"batch_{uuid.uuid4().hex}"
+
+
+class BatchStore:
+    def __init__(self, db: Database, files: FileStore) -> None:
+        self.db = db
+        self.files = files
+
+    # -- batches ---------------------------------------------------------------------------------
+
+    def create(self, tenant: str, fields: dict[str, Any], window_seconds: int,
+               idempotency_key: str | None = None) -> dict[str, Any]:
+        with self.db.transaction() as db:
+            if idempotency_key:
+                first = idempotent_hit(db, tenant, "batches", idempotency_key)
+                if first is not None and (row := self._get(db, tenant, first)) is not None:
+                    return row
+            now = int(time.time())
+            row = {"id": new_batch_id(), "tenant": tenant, "status": "validating",
+                   "created_at": now, "expires_at": now + window_seconds,
+                   "errors": None, "total": 0, "completed": 0, "failed": 0, **fields}
+            row["metadata"] = json.dumps(fields.get("metadata"))
+            db["batches"].insert(row)
+            if idempotency_key:
+                remember(db, tenant, "batches", idempotency_key, row["id"])
+        return self._get(self.db.db, tenant, row["id"])
+
+    def get(self, tenant: str, batch_id: str) -> dict[str, Any] | None:
+        return self._get(self.db.db, tenant, batch_id)
+
+    def _get(self, db, tenant: str | None, batch_id: str) -> dict[str, Any] | None:
+        sql, args = "select * from batches where id = ?", [batch_id]
+        if tenant is not None:
+            sql, args = sql + " and tenant = ?", [batch_id, tenant]
+        rows = list(db.query(sql, args))
+        return rows[0] if rows else None
+
+    def list(self, tenant: str, after: str | None, limit: int
+             ) -> tuple[list[dict[str, Any]], bool]:
+        """Newest first; `after` is a batch id cursor."""
+        db = self.db.db
+        where, args = "tenant = ?", [tenant]
+        if after and (cursor := self._get(db, tenant, after)) is not None:
+            where += " and (created_at, id) < (?, ?)"
+            args += [cursor["created_at"], cursor["id"]]
+        rows = list(db.query(f"select * from batches where {where} order by created_at desc, "
+                             "id desc limit ?", [*args, limit + 1]))
+        return rows[:limit], len(rows) > limit
+
+    def active(self) -> list[dict[str, Any]]:
+        """Batches with work left (all tenants), oldest first."""
+        marks = ",".join("?" * len(ACTIVE))
+        return list(self.db.db.query(f"select * from batches where status in ({marks}) "
+                                     "order by created_at, id", list(ACTIVE)))
+
+    def usage(self, batch_id: str) -> dict[str, int]:
+        rows = list(self.db.db.query(
+            "select coalesce(sum(prompt_tokens), 0) as p, coalesce(sum(completion_tokens), 0) "
+            "as c, coalesce(sum(cached_tokens), 0) as k from batch_lines where batch_id = ?",
+            [batch_id]))
+        return rows[0]
+
+    def set_status(self, batch_id: str, status: str, from_statuses: tuple[str, ...]) -> bool:
+        """Move to `status` (stamping `<status>_at`) if the batch is in one of from_statuses."""
+        with self.db.transaction() as db:
+            return self._move(db, batch_id, status, from_statuses)
+
+    def _move(self, db, batch_id: str, status: str, from_statuses: tuple[str, ...]) -> bool:
+        marks = ",".join("?" * len(from_statuses))
+        stamp = f", {status}_at = ?" if f"{status}_at" in TIMESTAMPS else ""
+        args = [status] + ([int(time.time())] if stamp else []) + [batch_id, *from_statuses]
+        cur = db.execute(f"update batches set status = ?{stamp} where id = ? and status in "
+                         f"({marks})", args)
+        return cur.rowcount == 1
+
+    # -- validation ------------------------------------------------------------------------------
+
+    def start(self, batch_id: str, model: str, lines: list[tuple[int, str, str]]) -> bool:
+        """validating -> in_progress with its lines [(line number, custom_id, body json)],
+        all in one transaction."""
+        with self.db.transaction() as db:
+            if not self._move(db, batch_id, "in_progress", ("validating",)):
+                return False
+            db.execute("update batches set total = ?, model = ? where id = ?",
+                       [len(lines), model, batch_id])
+            db.conn.executemany(
+                "insert or ignore into batch_lines (batch_id, custom_id, line, body, state) "
+                "values (?, ?, ?, ?, 'pending')",
+                [(batch_id, cid, n, body) for n, cid, body in lines])
+        return True
+
+    def fail(self, batch_id: str, errors: list[dict[str, Any]]) -> None:
+        with self.db.transaction() as db:
+            if self._move(db, batch_id, "failed", ("validating",)):
+                db.execute("update batches set errors = ? where id = ?",
+                           [json.dumps({"object": "list", "data": errors}), batch_id])
+
+    # -- lines -----------------------------------------------------------------------------------
+
+    def pending(self, batch_id: str, limit: int, skip: set[str]) -> list[dict[str, Any]]:
+        """Pending lines in input order, leaving out those already running (`skip`)."""
+        rows = self.db.db.query("select custom_id, line, body from batch_lines where batch_id "
+                                "= ? and state = 'pending' order by line limit ?",
+                                [batch_id, limit + len(skip)])
+        return [r for r in rows if r["custom_id"] not in skip][:limit]
+
+    def num_pending(self, batch_id: str) -> int:
+        rows = self.db.db.query("select count(*) as n from batch_lines where batch_id = ? and "
+                                "state = 'pending'", [batch_id])
+        return next(iter(rows))["n"]
+
+    def record(self, batch_id: str, custom_id: str, request_id: str, status_code: int,
+               body: dict[str, Any], usage_row: dict[str, Any] | None) -> bool:
+        """Store one line's answer, once; returns False if it was already stored."""
+        state = "done" if status_code < 300 else "failed"
+        usage = (body.get("usage") or {}) if status_code < 300 else {}
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        with self.db.transaction() as db:
+            cur = db.execute(
+                "update batch_lines set state = ?, status_code = ?, response = ?, "
+                "request_id = ?, prompt_tokens = ?, completion_tokens = ?, cached_tokens = ? "
+                "where batch_id = ? and custom_id = ? and state = 'pending'",
+                [state, status_code, json.dumps(body, ensure_ascii=False), request_id,
+                 usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0), cached,
+                 batch_id, custom_id])
+            if cur.rowcount != 1:
+                return False
+            column = "completed" if state == "done" else "failed"
+            db.execute(f"update batches set {column} = {column} + 1 where id = ?", [batch_id])
+            if usage_row is not None and usage:
+                add_usage(db, usage_row | {
+                    "requests": 1, "prompt_tokens": usage.get("prompt_tokens", 0),
+                    "completion_tokens": usage.get("completion_tokens", 0),
+                    "cached_tokens": cached})
+        return True
+
+    def close_pending(self, batch_id: str, state: str, code: str, message: str) -> int:
+        """Every pending line becomes `state` ('cancelled' / 'expired') with an error."""
+        error = json.dumps({"code": code, "message": message})
+        with self.db.transaction() as db:
+            cur = db.execute("update batch_lines set state = ?, error = ? where batch_id = ? "
+                             "and state = 'pending'", [state, error, batch_id])
+            db.execute("update batches set failed = failed + ? where id = ?",
+                       [cur.rowcount, batch_id])
+        return cur.rowcount
+
+    # -- finalizing ------------------------------------------------------------------------------
+
+    def finalize(self, batch_id: str, final_status: str) -> None:
+        """Write the output and error files from the stored lines and end the batch, in one
+        transaction (files under fixed ids, so doing it again after a crash is harmless)."""
+        with self.db.transaction() as db:
+            batch = self._get(db, None, batch_id)
+            if batch is None or batch["status"] in ("completed", "failed", "expired",
+                                                    "cancelled"):
+                return
+            rows = list(db.query("select * from batch_lines where batch_id = ? order by line",
+                                 [batch_id]))
+            good = [_output_line(r) for r in rows if r["state"] == "done"]
+            bad = [_output_line(r) for r in rows if r["state"] != "done"]
+            output_id = error_id = None
+            if good or not bad:
+                output_id = f"file-{batch_id}-output"
+                self.files.write(db, output_id, batch["tenant"], f"{batch_id}_output.jsonl",
+                                 "batch_output", good)
+            if bad:
+                error_id = f"file-{batch_id}-errors"
+                self.files.write(db, error_id, batch["tenant"], f"{batch_id}_errors.jsonl",
+                                 "batch_output", bad)
+            now = int(time.time())
+            stamps = {f"{final_status}_at": now}
+            if final_status == "completed":
+                stamps["finalizing_at"] = batch["finalizing_at"] or now
+            db["batches"].update(batch_id, {"status": final_status, "output_file_id": output_id,
+                                            "error_file_id": error_id, **stamps})
+
+
+def _output_line(row: dict[str, Any]) -> str:
+    """OpenAI's batch output line: {id, custom_id, response: {status_code, request_id, body},
+    error}; lines that never ran have response null and an error."""
+    if row["response"] is not None:
+        response = {"status_code": row["status_code"], "request_id": row["request_id"],
+                    "body": json.loads(row["response"])}
+        error = None
+    else:
+        response, error = None, json.loads(row["error"])
+    # A line that never ran gets an id derived from its batch and custom_id (stable).
+    rid = row["request_id"] or "batch_req_" + uuid.uuid5(
+        uuid.NAMESPACE_URL, f"{row['batch_id']}/{row['custom_id']}").hex
+    return json.dumps({"id": rid, "custom_id": row["custom_id"], "response": response,
+                       "error": error}, ensure_ascii=False)
+
+
+def add_usage(db, row: dict[str, Any]) -> None:
+    """Add a request's tokens to the (day, tenant, kind, model) counters."""
+    db.execute(
+        "insert into usage (day, tenant, kind, model, requests, prompt_tokens, "
+        "completion_tokens, cached_tokens) values (:day, :tenant, :kind, :model, :requests, "
+        ":prompt_tokens, :completion_tokens, :cached_tokens) on conflict (day, tenant, kind, "
+        "model) do update set requests = requests + excluded.requests, prompt_tokens = "
+        "prompt_tokens + excluded.prompt_tokens, completion_tokens = completion_tokens + "
+        "excluded.completion_tokens, cached_tokens = cached_tokens + excluded.cached_tokens",
+        row)
+
+
+def batch_object(row: dict[str, Any], usage: dict[str, int] | None = None) -> dict[str, Any]:
+    """OpenAI's Batch object."""
+    out = {"id": row["id"], "object": "batch", "endpoint": row["endpoint"],
+           "model": row["model"], "errors": json.loads(row["errors"]) if row["errors"] else None,
+           "input_file_id": row["input_file_id"],
+           "completion_window": row["completion_window"], "status": row["status"],
+           "output_file_id": row["output_file_id"], "error_file_id": row["error_file_id"]}
+    out |= {k: row[k] for k in TIMESTAMPS}
+    out["request_counts"] = {"total": row["total"], "completed": row["completed"],
+                             "failed": row["failed"]}
+    out["metadata"] = json.loads(row["metadata"]) if row["metadata"] else None
+    if usage is not None:
+        out["usage"] = {"input_tokens": usage["p"], "output_tokens": usage["c"],
+                        "total_tokens": usage["p"] + usage["c"],
+                        "input_tokens_details": {"cached_tokens": usage["k"]},
+                        "output_tokens_details": {"reasoning_tokens": 0}}
+    return out

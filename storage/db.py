@@ -1,0 +1,112 @@
+"""The one SQLite database in $LOCALSERVE_HOME (sqlite-utils, WAL mode).
+
+All access goes through one worker thread (`Database.run`), so the event loop never waits on
+disk and no two writes interleave. Writes are short `BEGIN IMMEDIATE` transactions: what a
+caller is told was stored is on disk (synchronous=FULL) before it is told.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sqlite3
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar
+
+import sqlite_utils
+
+T = TypeVar("T")
+
+SCHEMA_VERSION = 1
+
+
+class Database:
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="db")
+        self._local = threading.local()
+        self.call(self._create)
+
+    # -- running ---------------------------------------------------------------------------------
+
+    @property
+    def db(self) -> sqlite_utils.Database:
+        """This thread's connection (only the worker thread uses one)."""
+        db = getattr(self._local, "db", None)
+        if db is None:
+            conn = sqlite3.connect(self.path, isolation_level=None, timeout=30)
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=FULL")
+            conn.execute("PRAGMA foreign_keys=ON")
+            db = self._local.db = sqlite_utils.Database(conn)
+        return db
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run fn(*args) on the database thread, without blocking the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run fn(*args) on the database thread and wait (for code outside the event loop)."""
+        return self._executor.submit(fn, *args).result()
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[sqlite_utils.Database]:
+        """BEGIN IMMEDIATE ... COMMIT (ROLLBACK on error); only on the database thread."""
+        db = self.db
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            yield db
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        db.execute("COMMIT")
+
+    def close(self) -> None:
+        def _close() -> None:
+            db = getattr(self._local, "db", None)
+            if db is not None:
+                db.conn.close()
+                self._local.db = None
+
+        self._executor.submit(_close).result()
+        self._executor.shutdown(wait=True)
+
+    # -- schema ----------------------------------------------------------------------------------
+
+    def _create(self) -> None:
+        with self.transaction() as db:
+            db["files"].create({
+                "id": str, "tenant": str, "filename": str, "purpose": str, "bytes": int,
+                "created_at": int, "expires_at": int, "path": str,
+            }, pk="id", if_not_exists=True)
+            db["batches"].create({
+                "id": str, "tenant": str, "input_file_id": str, "endpoint": str,
+                "completion_window": str, "status": str, "model": str, "errors": str,
+                "metadata": str, "output_file_id": str, "error_file_id": str,
+                "created_at": int, "in_progress_at": int, "expires_at": int,
+                "finalizing_at": int, "completed_at": int, "failed_at": int, "expired_at": int,
+                "cancelling_at": int, "cancelled_at": int,
+                "total": int, "completed": int, "failed": int,
+            }, pk="id", if_not_exists=True, defaults={"total": 0, "completed": 0, "failed": 0})
+            # One row per input line. A line's result is written once (state leaves
+            # 'pending' in the same transaction that stores it): nothing runs twice into the
+            # output, whatever crashes.
+            db["batch_lines"].create({
+                "batch_id": str, "custom_id": str, "line": int, "body": str, "state": str,
+                "status_code": int, "response": str, "error": str, "request_id": str,
+                "prompt_tokens": int, "completion_tokens": int, "cached_tokens": int,
+            }, pk=("batch_id", "custom_id"), if_not_exists=True,
+                foreign_keys=[("batch_id", "batches", "id")])
+            db["batch_lines"].create_index(["batch_id", "state", "line"], if_not_exists=True)
+            db["idempotency"].create({
+                "tenant": str, "route": str, "key": str, "object_id": str, "created_at": int,
+            }, pk=("tenant", "route", "key"), if_not_exists=True)
+            db["usage"].create({
+                "day": str, "tenant": str, "kind": str, "model": str, "requests": int,
+                "prompt_tokens": int, "completion_tokens": int, "cached_tokens": int,
+            }, pk=("day", "tenant", "kind", "model"), if_not_exists=True)
+            db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
