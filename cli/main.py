@@ -41,12 +41,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def _is_user_error(e: Exception) -> bool:
     from server.models.config import UnsupportedModelError
+    from storage.db import DatabaseBusyError
     from storage.gguf import GGUFError
     from storage.models import ModelStoreError
     from storage.sources import SourceError
 
     return isinstance(e, SourceError | ModelStoreError | UnsupportedModelError | GGUFError
-                      | ValueError)
+                      | DatabaseBusyError | ValueError)
 
 
 if __name__ == "__main__":

@@ -95,17 +95,19 @@ def run(args: argparse.Namespace) -> int:
         prices=Prices(args.price_input, args.price_output, args.batch_discount),
         batch_window_seconds=args.batch_window,
         batch_max_running=args.batch_max_running or args.max_num_seqs)
-    sock = _bind(args.host, args.port)
-    host, port = sock.getsockname()[:2]
-    shown = f"[{host}]" if ":" in host else host
-    print(f"localserve: serving {name} at http://{shown}:{port}/v1 (loading the model...)",
-          file=sys.stderr, flush=True)
-    state = ServerState(settings)
-    config = uvicorn.Config(create_app(settings, state), log_level=args.log_level,
-                            access_log=args.access_log, timeout_graceful_shutdown=5,
-                            lifespan="on")
-    server = DrainingServer(config, state, args.drain_timeout)
-    server.run(sockets=[sock])
+    state = ServerState(settings)  # takes the home's database (one server per home)
+    try:
+        sock = _bind(args.host, args.port)
+        host, port = sock.getsockname()[:2]
+        shown = f"[{host}]" if ":" in host else host
+        print(f"localserve: serving {name} at http://{shown}:{port}/v1 (loading the model...)",
+              file=sys.stderr, flush=True)
+        config = uvicorn.Config(create_app(settings, state), log_level=args.log_level,
+                                access_log=args.access_log, timeout_graceful_shutdown=5,
+                                lifespan="on")
+        DrainingServer(config, state, args.drain_timeout).run(sockets=[sock])
+    finally:
+        state.db.close()
     if state.load_error:
         print(f"localserve: error: {state.load_error}", file=sys.stderr)
         return 1

@@ -62,21 +62,20 @@ class BatchStore:
 
     def list(self, tenant: str, after: str | None, limit: int
              ) -> tuple[list[dict[str, Any]], bool]:
-        """Newest first; `after` is a batch id cursor."""
-        db = self.db.db
+        """Newest first (creation order is rowid order); `after` is a batch id cursor."""
         where, args = "tenant = ?", [tenant]
-        if after and (cursor := self._get(db, tenant, after)) is not None:
-            where += " and (created_at, id) < (?, ?)"
-            args += [cursor["created_at"], cursor["id"]]
-        rows = list(db.query(f"select * from batches where {where} order by created_at desc, "
-                             "id desc limit ?", [*args, limit + 1]))
+        if after:
+            where += " and rowid < coalesce((select rowid from batches where id = ?), -1)"
+            args.append(after)
+        rows = list(self.db.db.query(f"select * from batches where {where} order by rowid desc "
+                                     "limit ?", [*args, limit + 1]))
         return rows[:limit], len(rows) > limit
 
     def active(self) -> list[dict[str, Any]]:
         """Batches with work left (all tenants), oldest first."""
         marks = ",".join("?" * len(ACTIVE))
         return list(self.db.db.query(f"select * from batches where status in ({marks}) "
-                                     "order by created_at, id", list(ACTIVE)))
+                                     "order by rowid", list(ACTIVE)))
 
     def usage(self, batch_id: str) -> dict[str, int]:
         rows = list(self.db.db.query(

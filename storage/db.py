@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import sqlite3
 import threading
 from collections.abc import Callable, Iterator
@@ -23,10 +24,22 @@ T = TypeVar("T")
 SCHEMA_VERSION = 1
 
 
+class DatabaseBusyError(Exception):
+    """Another server process holds this database."""
+
+
 class Database:
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
+        # One server per $LOCALSERVE_HOME: two would run the same batches twice.
+        self._lock = (path.parent / f"{path.name}.lock").open("a")
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock.close()
+            raise DatabaseBusyError(f"another localserve server is using {path.parent} "
+                                    "(stop it, or set LOCALSERVE_HOME)") from None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="db")
         self._local = threading.local()
         self.call(self._create)
@@ -66,6 +79,10 @@ class Database:
         db.execute("COMMIT")
 
     def close(self) -> None:
+        """Close the connection and release the home (safe to call twice)."""
+        if self._lock.closed:
+            return
+
         def _close() -> None:
             db = getattr(self._local, "db", None)
             if db is not None:
@@ -74,6 +91,7 @@ class Database:
 
         self._executor.submit(_close).result()
         self._executor.shutdown(wait=True)
+        self._lock.close()  # releases the flock
 
     # -- schema ----------------------------------------------------------------------------------
 

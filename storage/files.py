@@ -93,13 +93,14 @@ class FileStore:
             where.append("purpose = ?")
             params.append(purpose)
         op = "<" if order == "desc" else ">"
-        if after and (cursor := _get(db, tenant, after)) is not None:
-            where.append(f"(created_at, id) {op} (?, ?)")
-            params += [cursor["created_at"], cursor["id"]]
+        if after:  # creation order is rowid order
+            where.append(f"rowid {op} coalesce((select rowid from files where id = ?), "
+                         f"{'-1' if order == 'desc' else '1 << 62'})")
+            params.append(after)
         direction = "desc" if order == "desc" else "asc"
         rows = list(db.query(
-            f"select * from files where {' and '.join(where)} "
-            f"order by created_at {direction}, id {direction} limit ?", [*params, limit + 1]))
+            f"select * from files where {' and '.join(where)} order by rowid {direction} "
+            "limit ?", [*params, limit + 1]))
         return rows[:limit], len(rows) > limit
 
     def delete(self, tenant: str, file_id: str) -> bool:

@@ -34,7 +34,7 @@ async def upload_file(request: Request) -> Response:
         form = await request.form(max_files=1, max_fields=8)
     except Exception as e:  # noqa: BLE001 - malformed multipart is the client's
         raise invalid(None, f"Could not parse the multipart body: {e}") from None
-    async with form:
+    try:
         purpose = form.get("purpose")
         upload = form.get("file")
         if not isinstance(purpose, str) or not purpose:
@@ -56,6 +56,8 @@ async def upload_file(request: Request) -> Response:
         except BaseException:
             scratch.unlink(missing_ok=True)
             raise
+    finally:
+        await form.close()
     return JSONResponse(file_object(row))
 
 

@@ -81,7 +81,7 @@ async def get_usage(request: Request) -> Response:
     state = request.app.state.server
     start, end = _date(request, "start_date"), _date(request, "end_date")
     await state.flush_usage()
-    rows = await state.db.run(_query, tenant(request), start, end)
+    rows = await state.db.run(_query, state.db, tenant(request), start, end)
     prices: Prices = state.settings.prices
     total = Counter()
     data = []

@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import pytest
 
-from tests.api.server import ServerProcess
+from tests.api.server import ServerProcess, home_with_models
 
 API_KEY = "sk-test-key"
+OTHER_KEY = "sk-other-tenant"
 MODEL = "tiny:bf16"
 
 
 @pytest.fixture(scope="session")
 def server(tiny_home, tmp_path_factory):
-    """The shared server: API key required, 1 MB body limit."""
-    log = tmp_path_factory.mktemp("logs") / "server.log"
-    proc = ServerProcess(tiny_home, [MODEL, "--api-key", API_KEY, "--kv-cache-mb", "64",
-                                     "--max-body-mb", "1"], log, API_KEY).start()
+    """The shared server: two API keys (tenants), 1 MB body limit."""
+    root = tmp_path_factory.mktemp("shared-server")
+    proc = ServerProcess(home_with_models(tiny_home, root / "home"),
+                         [MODEL, "--api-key", API_KEY, "--api-key", OTHER_KEY, "--kv-cache-mb",
+                          "64", "--max-body-mb", "1"], root / "server.log", API_KEY).start()
     yield proc
     proc.stop()
 

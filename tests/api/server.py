@@ -13,6 +13,13 @@ from pathlib import Path
 import httpx
 
 
+def home_with_models(models_home: Path, home: Path) -> Path:
+    """A fresh $LOCALSERVE_HOME (its own database) sharing the models of `models_home`."""
+    home.mkdir(parents=True, exist_ok=True)
+    (home / "models").symlink_to(models_home / "models", target_is_directory=True)
+    return home
+
+
 class ServerProcess:
     def __init__(self, home: Path, args: list[str], log: Path, api_key: str | None = None):
         self.home, self.args, self.log, self.api_key = home, args, log, api_key

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from tests.api.conftest import MODEL
-from tests.api.server import ServerProcess
+from tests.api.server import ServerProcess, home_with_models
 
 LONG = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me everything."}],
         "max_tokens": 4000, "temperature": 0, "ignore_eos": True}
@@ -64,7 +64,8 @@ def test_disconnect_while_waiting_for_a_plain_answer(server):
 @pytest.fixture
 def small_server(tiny_home, tmp_path):
     """Its own process: a queue of 2 requests, a short drain."""
-    proc = ServerProcess(tiny_home, [MODEL, "--max-pending", "2", "--drain-timeout", "20"],
+    proc = ServerProcess(home_with_models(tiny_home, tmp_path / "home"),
+                         [MODEL, "--max-pending", "2", "--drain-timeout", "20"],
                          tmp_path / "server.log").start()
     yield proc
     proc.stop()

@@ -1,0 +1,49 @@
+"""kill -9 in the middle of a batch: after a restart every line ends up exactly once."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import openai
+
+from tests.api.conftest import MODEL
+from tests.api.server import ServerProcess, home_with_models
+from tests.api.test_batches import chat_line, read_lines, submit, wait
+
+
+def test_kill_9_mid_batch_then_restart_completes_each_line_once(tiny_home, tmp_path):
+    home = home_with_models(tiny_home, tmp_path / "home")
+    args = [MODEL, "--batch-max-running", "16"]
+    first = ServerProcess(home, args, tmp_path / "first.log").start()
+    try:
+        client = openai.OpenAI(base_url=f"{first.url}/v1", api_key="x", max_retries=0)
+        lines = [chat_line(i, max_tokens=40) for i in range(200)]
+        batch_id = submit(client, lines).id
+        deadline = time.monotonic() + 120
+        while client.batches.retrieve(batch_id).request_counts.completed < 30:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        first.signal(signal.SIGKILL)  # no chance to clean up: lines are mid-flight
+        first.proc.wait(10)
+    finally:
+        first.stop()
+    second = ServerProcess(home, args, tmp_path / "second.log").start()
+    try:
+        client = openai.OpenAI(base_url=f"{second.url}/v1", api_key="x", max_retries=0)
+        b = client.batches.retrieve(batch_id)
+        assert b.status == "in_progress" and 30 <= b.request_counts.completed < 200
+        b = wait(client, batch_id, timeout=180)
+        assert b.status == "completed" and b.error_file_id is None
+        assert (b.request_counts.total, b.request_counts.completed, b.request_counts.failed) \
+            == (200, 200, 0)
+        out = read_lines(client, b.output_file_id)
+        assert len(out) == 200
+        assert sorted(x["custom_id"] for x in out) == sorted(x["custom_id"] for x in lines)
+        assert all(x["response"]["body"]["usage"]["completion_tokens"] == 40 for x in out)
+        assert b.usage.output_tokens == 200 * 40
+        raw = client.files.content(b.output_file_id).text
+        assert raw.endswith("\n") and all(json.loads(x) for x in raw.splitlines())
+    finally:
+        second.stop()
