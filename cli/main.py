@@ -6,14 +6,14 @@ import argparse
 import errno
 import sys
 
+from cli import batch, models, pull, run, serve, usage
 from cli import eval as eval_cmd
-from cli import models, pull, run, serve
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="localserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    for module in (pull, models, run, serve, eval_cmd):
+    for module in (pull, models, run, serve, batch, usage, eval_cmd):
         module.add_parser(sub)
     return parser
 
@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _is_user_error(e: Exception) -> bool:
+    from cli.http import ServerError
     from server.models.config import UnsupportedModelError
     from storage.db import DatabaseBusyError
     from storage.gguf import GGUFError
@@ -47,7 +48,7 @@ def _is_user_error(e: Exception) -> bool:
     from storage.sources import SourceError
 
     return isinstance(e, SourceError | ModelStoreError | UnsupportedModelError | GGUFError
-                      | DatabaseBusyError | ValueError)
+                      | DatabaseBusyError | ServerError | ValueError)
 
 
 if __name__ == "__main__":
