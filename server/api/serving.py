@@ -39,7 +39,7 @@ class ServerSettings:
     home: Path | None = None  # default: $LOCALSERVE_HOME
     prices: Prices = field(default_factory=Prices)
     batch_window_seconds: int = 24 * 3600  # completion_window "24h"
-    batch_max_running: int = 64  # batch lines in the engine at once
+    batch_max_running: int = 16  # batch lines in the engine at once
     max_file_bytes: int = 200 << 20
     max_batch_lines: int = 50_000
 

@@ -34,6 +34,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None  # default: the model's context
     enable_prefix_caching: bool = True
+    # Batch sequences computed per step while interactive ones run or wait (short steps for
+    # them); batch work alone uses all of max_num_seqs.
+    max_num_shared_seqs: int = 8
 
 
 @dataclass(slots=True)
@@ -65,7 +68,8 @@ class Engine:
         self.block_manager = BlockManager(num_blocks, config.block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
-                                   config.max_num_batched_tokens, self.max_model_len)
+                                   config.max_num_batched_tokens, self.max_model_len,
+                                   config.max_num_shared_seqs)
         self.runner = ModelRunner(model, num_blocks, config.block_size, device, dtype)
         self.metrics = Metrics()
 

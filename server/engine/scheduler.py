@@ -46,9 +46,13 @@ class Scheduler:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 512,
         max_model_len: int = 2048,
+        max_num_shared_seqs: int | None = None,
     ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
+        # While sequences of the top priority run or wait, those of lower priority (batch
+        # work) compute at most this many per step, so steps stay short for the top ones.
+        self.max_num_shared_seqs = max_num_shared_seqs or max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.waiting: list[Sequence] = []  # sorted by (priority, order of arrival)
@@ -109,12 +113,27 @@ class Scheduler:
         # a decode computes the one token sampled last step, and a preempted sequence falls back
         # to 0 and catches up again (mostly from the prefix cache). Sampling happens when a
         # sequence's computed tokens reach its known tokens.
+        #
+        # Priorities: a waiting request that outranks running ones gets a step without them
+        # (batch work sits that one step out, keeping its blocks), so an interactive request's
+        # first token is never stuck behind a step full of batch decodes. And while the top
+        # priority has work, lower-priority sequences compute at most max_num_shared_seqs per
+        # step (the oldest), so steps stay short for interactive streams.
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         bm = self.block_manager
+        urgent = self.waiting[0].priority if self.waiting else None
+        top = min((x.priority for x in (*self.running[:1], *self.waiting[:1])), default=0)
+        num_shared = 0
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if urgent is not None and seq.priority > urgent:
+                break  # running is sorted by priority: everything from here is outranked
+            if seq.priority > top:
+                if num_shared >= self.max_num_shared_seqs:
+                    break
+                num_shared += 1
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not bm.can_append(seq, n):
                 victim = self.running[-1]  # lowest priority, most recently admitted
@@ -132,6 +151,8 @@ class Scheduler:
         running_was_short = bool(out.preempted)  # no admissions while running seqs lack memory
         while j < len(self.waiting) and budget > 0 and not running_was_short:
             seq = self.waiting[j]
+            if seq.priority > top and num_shared >= self.max_num_shared_seqs:
+                break  # waiting is sorted by priority: the rest are shared too
             if seq.leader is not None and not _prompt_cached(seq.leader):
                 j += 1  # n > 1: siblings wait to share the leader's cached prompt blocks
                 continue
@@ -144,6 +165,7 @@ class Scheduler:
                 budget += refund
                 continue
             del self.waiting[j], self._waiting_keys[j]
+            num_shared += seq.priority > top
             bm.allocate(seq, n, hits)
             seq.status = SequenceStatus.RUNNING
             seq.arrival = next(self._order)

@@ -135,6 +135,46 @@ def test_interactive_arrival_preempts_batch_when_full():
     assert batch[1] not in out.seqs  # taken out of this step before it ran
 
 
+def test_interactive_arrival_gets_a_step_without_batch_work():
+    s = make(num_blocks=32, block_size=4, max_num_seqs=8, budget=64)
+    batch = [seq(3, max_tokens=20, priority=PRIORITY_BATCH, start=10 * i) for i in range(3)]
+    for x in batch:
+        s.add(x)
+    step(s)
+    step(s)
+    assert all(x.num_output_tokens == 2 for x in batch)
+    chat = seq(5, max_tokens=3, start=500)
+    s.add(chat)
+    out, _ = step(s)
+    # Only the arrival's prefill: the batch sequences keep their blocks and wait one step.
+    assert out.seqs == [chat] and out.preempted == [] and chat.num_output_tokens == 1
+    assert all(x.status == SequenceStatus.RUNNING and x.num_output_tokens == 2 for x in batch)
+    out, _ = step(s)
+    assert out.seqs == [chat, *batch]  # then everyone decodes together again
+    assert all(x.num_output_tokens == 3 for x in batch)
+
+
+def test_batch_shares_steps_with_interactive_streams():
+    bm = BlockManager(64, 4, True)
+    s = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256,
+                  max_num_shared_seqs=2)
+    batch = [seq(3, max_tokens=30, priority=PRIORITY_BATCH, start=10 * i) for i in range(5)]
+    for x in batch:
+        s.add(x)
+    out, _ = step(s)
+    assert out.seqs == batch  # batch work alone: all of it
+    chat = seq(3, max_tokens=4, start=500)
+    s.add(chat)
+    out, _ = step(s)
+    assert out.seqs == [chat]  # the arrival's own step
+    out, _ = step(s)
+    assert out.seqs == [chat, batch[0], batch[1]]  # then the two oldest batch sequences
+    while chat.status == SequenceStatus.RUNNING:
+        step(s)
+    out, _ = step(s)
+    assert out.seqs == batch and all(x.status == SequenceStatus.RUNNING for x in batch)
+
+
 def test_abort_frees_at_once():
     s = make()
     a, b = seq(9), seq(9, start=50)
