@@ -6,6 +6,8 @@ from pathlib import Path
 
 import torch
 
+from server.models.tokenizer import byte_to_unicode
+
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -13,22 +15,9 @@ CHAT_TEMPLATE = (
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
-def byte_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character map."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(161, 173)) + list(range(174, 256))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs), strict=True))
-
-
 def tiny_vocab() -> tuple[list[str], list[str]]:
     """Special tokens, the 256 byte tokens and a few merges: (tokens, merges)."""
-    chars = list(byte_unicode().values())
+    chars = list(byte_to_unicode().values())
     merges = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "e r", "o n", "r e"]
     merged = [m.replace(" ", "") for m in merges]
     return SPECIAL_TOKENS + chars + merged, merges

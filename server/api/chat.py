@@ -7,68 +7,46 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
-from server.api.body import read_json
 from server.api.errors import invalid
 from server.api.protocol import ChatRequest, parse_chat
 from server.api.serving import (
+    Generation,
     ServerState,
     TokenText,
+    answer_for_batch,
     new_id,
     off_loop,
+    respond,
     stream_engine,
-    tenant,
-    until_disconnect,
     usage,
     with_max_tokens,
 )
-from server.api.sse import sse_response
 from server.engine.engine import CompletionChunk
-from server.engine.sequence import PRIORITY_INTERACTIVE
 from server.models.tokenizer import chat_prompt_ids
 
 SYSTEM_FINGERPRINT = "localserve"
 
 
 async def create_chat_completion(request: Request) -> Response:
-    state: ServerState = request.app.state.server
-    body = await read_json(request, state)
-    state.ready_engine()
-    req = parse_chat(body, state.vocab_size)
-    state.check_model(req.model)
-    state.acquire()
-    handed_to_stream = False  # a stream releases its place when it ends
-    try:
-        rid, chunks, num_prompt = await _start(state, req, tenant(request), PRIORITY_INTERACTIVE)
-        if req.stream:
-            handed_to_stream = True
-            return sse_response(_stream(state, req, rid, chunks, num_prompt), state.release)
-        return JSONResponse(await until_disconnect(
-            request, _collect(state, req, rid, chunks, num_prompt)))
-    finally:
-        if not handed_to_stream:
-            state.release()
+    return await respond(request, parse_chat, _start)
 
 
 async def chat_answer(state: ServerState, body: dict[str, Any], salt: str, priority: int
                       ) -> dict[str, Any]:
-    """The `chat.completion` a plain request with this body gets (the batch queue's way in);
-    raises APIError as the endpoint would answer it."""
-    req = parse_chat(body, state.vocab_size)
-    state.check_model(req.model)
-    if req.stream:
-        raise invalid("stream", "Batch requests cannot stream.")
-    rid, chunks, num_prompt = await _start(state, req, salt, priority)
-    return await _collect(state, req, rid, chunks, num_prompt)
+    """The `chat.completion` a plain request with this body gets (for the batch queue)."""
+    return await answer_for_batch(state, body, salt, priority, parse_chat, _start)
 
 
-async def _start(state: ServerState, req: ChatRequest, salt: str, priority: int
-                 ) -> tuple[str, AsyncIterator[CompletionChunk], int]:
+async def _start(state: ServerState, req: ChatRequest, salt: str, priority: int) -> Generation:
     prompt_ids = await off_loop(_prompt_ids, state.tokenizer, req.messages)
     params = with_max_tokens(state, req.params, req.max_tokens, len(prompt_ids), "messages")
     rid = new_id("chatcmpl")
-    return rid, stream_engine(state, prompt_ids, params, rid, salt, priority), len(prompt_ids)
+    chunks = stream_engine(state, prompt_ids, params, rid, salt, priority)
+    n = len(prompt_ids)
+    return Generation(lambda: _collect(state, req, rid, chunks, n),
+                      lambda: _stream(state, req, rid, chunks, n))
 
 
 def _prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:

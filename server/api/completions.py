@@ -10,61 +10,37 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
-from server.api.body import read_json
-from server.api.errors import invalid
 from server.api.protocol import CompletionRequest, parse_completion
 from server.api.serving import (
+    Generation,
     ServerState,
     TokenText,
+    answer_for_batch,
     merged,
     new_id,
     off_loop,
+    respond,
     stream_engine,
-    tenant,
-    until_disconnect,
     usage,
     with_max_tokens,
 )
-from server.api.sse import sse_response
 from server.engine.engine import CompletionChunk
-from server.engine.sequence import PRIORITY_INTERACTIVE
 
 
 async def create_completion(request: Request) -> Response:
-    state: ServerState = request.app.state.server
-    body = await read_json(request, state)
-    state.ready_engine()
-    req = parse_completion(body, state.vocab_size)
-    state.check_model(req.model)
-    state.acquire()
-    handed_to_stream = False  # a stream releases its place when it ends
-    try:
-        run, chunks = await _start(state, req, tenant(request), PRIORITY_INTERACTIVE)
-        if req.stream:
-            handed_to_stream = True
-            return sse_response(run.stream(chunks), state.release)
-        return JSONResponse(await until_disconnect(request, run.collect(chunks)))
-    finally:
-        if not handed_to_stream:
-            state.release()
+    return await respond(request, parse_completion, _start)
 
 
 async def completion_answer(state: ServerState, body: dict[str, Any], salt: str, priority: int
                             ) -> dict[str, Any]:
-    """The `text_completion` a plain request with this body gets (the batch queue's way in);
-    raises APIError as the endpoint would answer it."""
-    req = parse_completion(body, state.vocab_size)
-    state.check_model(req.model)
-    if req.stream:
-        raise invalid("stream", "Batch requests cannot stream.")
-    run, chunks = await _start(state, req, salt, priority)
-    return await run.collect(chunks)
+    """The `text_completion` a plain request with this body gets (for the batch queue)."""
+    return await answer_for_batch(state, body, salt, priority, parse_completion, _start)
 
 
 async def _start(state: ServerState, req: CompletionRequest, salt: str, priority: int
-                 ) -> tuple[_Run, AsyncIterator[tuple[int, CompletionChunk]]]:
+                 ) -> Generation:
     prompt_ids = await off_loop(_tokenize, state.tokenizer, req.prompts)
     params = [with_max_tokens(state, req.params, req.max_tokens, len(ids), "prompt")
               for ids in prompt_ids]
@@ -73,7 +49,8 @@ async def _start(state: ServerState, req: CompletionRequest, salt: str, priority
                for i, (ids, p) in enumerate(zip(prompt_ids, params, strict=True))]
     echoes = ([await off_loop(_echo_text, state.tokenizer, p) for p in req.prompts]
               if req.echo else None)
-    return _Run(state, req, rid, prompt_ids, echoes), merged(streams)
+    run, chunks = _Run(state, req, rid, prompt_ids, echoes), merged(streams)
+    return Generation(lambda: run.collect(chunks), lambda: run.stream(chunks))
 
 
 def _tokenize(tokenizer: Any, prompts: list[str | list[int]]) -> list[list[int]]:

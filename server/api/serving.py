@@ -13,13 +13,17 @@ from pathlib import Path
 from typing import Any
 
 from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 
+from server.api.body import read_json
 from server.api.errors import APIError, invalid, model_not_found
 from server.api.metrics import ApiMetrics
+from server.api.sse import sse_response
 from server.api.usage import Prices, UsageMeter
 from server.engine.engine import AsyncEngine, CompletionChunk, EngineConfig
 from server.engine.scheduler import RequestTooLargeError
 from server.engine.sequence import PRIORITY_INTERACTIVE, SamplingParams
+from server.models.tokenizer import byte_to_unicode
 from storage.batches import BatchStore, add_usage
 from storage.db import Database
 from storage.files import FileStore
@@ -106,6 +110,51 @@ class ServerState:
 
     def release(self) -> None:
         self.num_pending -= 1
+
+
+@dataclass(slots=True)
+class Generation:
+    """A started request of either endpoint, answered whole or as a stream of chunks."""
+
+    collect: Callable[[], Awaitable[dict[str, Any]]]
+    stream: Callable[[], AsyncIterator[dict[str, Any]]]
+
+
+Starter = Callable[[ServerState, Any, str, int], Awaitable[Generation]]
+
+
+async def respond(request: Request, parse: Callable[[dict, int], Any], start: Starter
+                  ) -> Response:
+    """What the two generation endpoints do: parse, take a place in the queue (or 429),
+    start, then answer whole (aborted if the client leaves) or stream."""
+    state: ServerState = request.app.state.server
+    body = await read_json(request, state)
+    state.ready_engine()
+    req = parse(body, state.vocab_size)
+    state.check_model(req.model)
+    state.acquire()
+    handed_to_stream = False  # a stream releases its place when it ends
+    try:
+        generation = await start(state, req, tenant(request), PRIORITY_INTERACTIVE)
+        if req.stream:
+            handed_to_stream = True
+            return sse_response(generation.stream(), state.release)
+        return JSONResponse(await until_disconnect(request, generation.collect()))
+    finally:
+        if not handed_to_stream:
+            state.release()
+
+
+async def answer_for_batch(state: ServerState, body: dict[str, Any], salt: str, priority: int,
+                           parse: Callable[[dict, int], Any], start: Starter
+                           ) -> dict[str, Any]:
+    """The body a plain request would get (the batch queue's way in); raises APIError as the
+    endpoint would answer."""
+    req = parse(body, state.vocab_size)
+    state.check_model(req.model)
+    if req.stream:
+        raise invalid("stream", "Batch requests cannot stream.")
+    return await (await start(state, req, salt, priority)).collect()
 
 
 def _add_usage_rows(db: Database, rows: list[dict[str, Any]]) -> None:
@@ -243,7 +292,7 @@ class TokenText:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self._cache: dict[int, tuple[str, list[int]]] = {}
-        self._byte_decoder = _byte_decoder()
+        self._byte_decoder = {c: b for b, c in byte_to_unicode().items()}
 
     def __call__(self, token_id: int) -> tuple[str, list[int]]:
         hit = self._cache.get(token_id)
@@ -259,19 +308,6 @@ class TokenText:
                 text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
             hit = self._cache[token_id] = (text, list(raw))
         return hit
-
-
-def _byte_decoder() -> dict[str, int]:
-    """Inverse of GPT-2's byte -> printable character map."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(161, 173)) + list(range(174, 256))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs, strict=True)}
 
 
 def usage(num_prompt: int, num_completion: int, num_cached: int) -> dict[str, Any]:

@@ -90,3 +90,9 @@ class ServerProcess:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
+
+
+def own_server(models_home: Path, tmp_path: Path, args: list[str]) -> ServerProcess:
+    """A started server with its own home (database) and log under tmp_path."""
+    return ServerProcess(home_with_models(models_home, tmp_path / "home"), args,
+                         tmp_path / "server.log").start()

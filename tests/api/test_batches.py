@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from tests.api.conftest import API_KEY, MODEL, OTHER_KEY
-from tests.api.server import ServerProcess, home_with_models
+from tests.api.server import own_server
 
 FINAL = ("completed", "failed", "expired", "cancelled")
 
@@ -226,9 +226,8 @@ def test_usage_splits_batch_from_interactive_with_the_discount(client, server):
 @pytest.fixture
 def window_server(tiny_home, tmp_path):
     """Batches expire after 2 seconds."""
-    proc = ServerProcess(home_with_models(tiny_home, tmp_path / "home"),
-                         [MODEL, "--batch-window", "2", "--batch-max-running", "4"],
-                         tmp_path / "server.log").start()
+    proc = own_server(tiny_home, tmp_path, [MODEL, "--batch-window", "2",
+                                            "--batch-max-running", "4"])
     yield proc
     proc.stop()
 

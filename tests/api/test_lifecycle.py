@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from tests.api.conftest import MODEL
-from tests.api.server import ServerProcess, home_with_models
+from tests.api.server import ServerProcess, own_server
 
 LONG = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me everything."}],
         "max_tokens": 4000, "temperature": 0, "ignore_eos": True}
@@ -64,9 +64,8 @@ def test_disconnect_while_waiting_for_a_plain_answer(server):
 @pytest.fixture
 def small_server(tiny_home, tmp_path):
     """Its own process: a queue of 2 requests, a short drain."""
-    proc = ServerProcess(home_with_models(tiny_home, tmp_path / "home"),
-                         [MODEL, "--max-pending", "2", "--drain-timeout", "20"],
-                         tmp_path / "server.log").start()
+    proc = own_server(tiny_home, tmp_path, [MODEL, "--max-pending", "2", "--drain-timeout",
+                                            "20"])
     yield proc
     proc.stop()
 
