@@ -6,14 +6,14 @@ import argparse
 import errno
 import sys
 
-from cli import batch, models, pull, run, serve, usage
+from cli import batch, bench, models, pull, run, serve, usage
 from cli import eval as eval_cmd
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="localserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    for module in (pull, models, run, serve, batch, usage, eval_cmd):
+    for module in (pull, models, run, serve, batch, usage, bench, eval_cmd):
         module.add_parser(sub)
     return parser
 

@@ -1,0 +1,37 @@
+"""`localserve bench` against the shared server: numbers, JSON and a PNG."""
+
+from __future__ import annotations
+
+import json
+
+from cli.main import main
+from tests.api.conftest import API_KEY, MODEL
+
+
+def test_bench_reports_every_level(server, tmp_path, capsys):
+    out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
+    assert main(["bench", "--url", server.url, "--api-key", API_KEY, "--concurrency", "1,3",
+                 "--requests", "6", "--prompt-tokens", "20", "--output-tokens", "8",
+                 "--jitter", "0", "--json", str(out_json), "--plot", str(out_png)]) == 0
+    report = json.loads(out_json.read_text())
+    assert report["model"] == MODEL and [lv["concurrency"] for lv in report["levels"]] == [1, 3]
+    for lv in report["levels"]:
+        assert lv["requests"] == 6 and lv["errors"] == 0
+        assert lv["output_tokens"] == 6 * 8  # ignore_eos: exactly the asked lengths
+        assert lv["tokens_per_s"] > 0 and lv["ttft"]["p50"] <= lv["e2e"]["p50"]
+        assert lv["ttft"]["p50"] <= lv["ttft"]["p95"] <= lv["ttft"]["p99"]
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "tok/s" in capsys.readouterr().out
+
+
+def test_bench_errors_are_counted_not_fatal(server, tmp_path):
+    out_json = tmp_path / "bench.json"
+    assert main(["bench", "--url", server.url, "--api-key", "wrong", "--model", MODEL,
+                 "--concurrency", "2", "--requests", "2", "--json", str(out_json)]) == 0
+    [level] = json.loads(out_json.read_text())["levels"]
+    assert level["errors"] == 2 and "401" in level["first_error"]
+
+
+def test_bench_bad_flags(capsys):
+    assert main(["bench", "--concurrency", "0"]) == 1
+    assert "--concurrency" in capsys.readouterr().err
