@@ -53,6 +53,9 @@ def build_model(
         else:
             model.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
             model.lm_head.weight = embed.weight
+    for module in model.modules():  # fused q/k/v and gate/up: fewer kernel calls per step
+        if hasattr(module, "fuse"):
+            module.fuse()
     prepare_quantized(model, use_kernels)
     return model.eval().requires_grad_(False)
 

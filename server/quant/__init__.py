@@ -75,3 +75,36 @@ def prepare_quantized(model: nn.Module, use_kernels: bool = True) -> None:
     for module in model.modules():
         if isinstance(module, Int4Linear | Int8Linear):
             module.prepare(use_kernels)
+
+
+def fuse_linears(mods: list[nn.Module]) -> nn.Module | None:
+    """One module computing all of `mods` (same input, outputs concatenated): one kernel call
+    instead of several. None when they differ in kind. Call before prepare_quantized."""
+    first = mods[0]
+    kind = type(first)
+    if any(type(m) is not kind or m.in_features != first.in_features for m in mods):
+        return None
+    if kind is Int4Linear and any(m.group_size != first.group_size for m in mods):
+        return None
+    if kind not in (nn.Linear, Int8Linear, Int4Linear):
+        return None
+    has_bias = first.bias is not None
+    if any((m.bias is not None) != has_bias for m in mods):
+        return None
+    out_features = sum(m.out_features for m in mods)
+    if kind is nn.Linear:
+        fused: nn.Module = nn.Linear(first.in_features, out_features, bias=has_bias,
+                                     device=first.weight.device, dtype=first.weight.dtype)
+    elif kind is Int8Linear:
+        fused = Int8Linear(first.in_features, out_features, has_bias)
+    else:
+        fused = Int4Linear(first.in_features, out_features, first.group_size, has_bias)
+    with torch.no_grad():
+        for name, _ in list(first.named_parameters(recurse=False)) + list(
+                first.named_buffers(recurse=False)):
+            value = torch.cat([getattr(m, name) for m in mods], dim=0)
+            if isinstance(getattr(first, name), nn.Parameter):
+                setattr(fused, name, nn.Parameter(value, requires_grad=False))
+            else:
+                setattr(fused, name, value)
+    return fused
