@@ -52,6 +52,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="US$ per million completion tokens (default 0.40)")
     p.add_argument("--batch-discount", type=float, default=0.5,
                    help="discount on batch tokens, 0..1 (default 0.5)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads for the model (default: torch's, one per core)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: auto)")
     p.add_argument("--dtype", default=None, choices=("bf16", "fp32"), help="default: auto")
     p.add_argument("--log-level", default="info",
@@ -69,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     for flag in ("max_num_seqs", "max_num_batched_tokens", "max_pending", "max_body_mb"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be at least 1")
-    for flag in ("batch_window", "batch_max_running"):
+    for flag in ("batch_window", "batch_max_running", "threads"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be at least 1")
     if not 0 <= args.batch_discount <= 1 or args.price_input < 0 or args.price_output < 0:
@@ -91,10 +93,13 @@ def run(args: argparse.Namespace) -> int:
             max_model_len=args.max_model_len,
             kv_cache_bytes=args.kv_cache_mb << 20 if args.kv_cache_mb else None,
             enable_prefix_caching=not args.no_prefix_caching),
-        device=args.device, dtype=args.dtype,
+        device=args.device, dtype=args.dtype, threads=args.threads,
         prices=Prices(args.price_input, args.price_output, args.batch_discount),
         batch_window_seconds=args.batch_window,
         batch_max_running=args.batch_max_running)
+    # The engine thread and the event loop share the GIL; a short switch interval keeps the
+    # engine from waiting on the loop (measured: decode steps 61 -> 53 ms at one client).
+    sys.setswitchinterval(0.0005)
     state = ServerState(settings)  # takes the home's database (one server per home)
     try:
         sock = _bind(args.host, args.port)

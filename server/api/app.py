@@ -95,6 +95,10 @@ def load_into(state: ServerState) -> None:
     from storage.models import ModelStore
 
     s = state.settings
+    if s.threads:
+        import torch
+
+        torch.set_num_threads(s.threads)
     stored = ModelStore().resolve(s.model)
     engine = load_engine(stored, s.engine, s.device, s.dtype)
     state.attach(engine, stored.name)

@@ -40,6 +40,7 @@ class ServerSettings:
     engine: EngineConfig = field(default_factory=EngineConfig)
     device: str | None = None
     dtype: str | None = None
+    threads: int | None = None  # torch intra-op threads (default: torch's)
     home: Path | None = None  # default: $LOCALSERVE_HOME
     prices: Prices = field(default_factory=Prices)
     batch_window_seconds: int = 24 * 3600  # completion_window "24h"
