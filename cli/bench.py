@@ -45,7 +45,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--concurrency", default="1,4,16",
                    help="comma-separated client counts, one level each (default 1,4,16)")
     p.add_argument("--requests", type=int, default=None,
-                   help="requests per level (default: 4 per client, at least 8)")
+                   help="requests per level (default: --per-client per client, at least 8)")
+    p.add_argument("--per-client", type=int, default=4, help="requests per client (default 4)")
     p.add_argument("--arrival", choices=("closed", "poisson"), default="closed")
     p.add_argument("--rate", type=float, default=4.0, help="poisson: requests per second")
     p.add_argument("--prompt-tokens", type=int, default=128, help="about this many (words)")
@@ -102,7 +103,7 @@ async def _bench(args: argparse.Namespace, levels: list[int]) -> dict[str, Any]:
                "arrival": args.arrival, "prompt_tokens": args.prompt_tokens,
                "output_tokens": args.output_tokens, "levels": []}
         for c in levels:
-            n = args.requests or max(8, 4 * c)
+            n = args.requests or max(8, args.per_client * c)
             jobs = [_job(rng, args, prefix) for _ in range(n)]
             bar = tqdm(total=n, desc=f"{c} clients", unit="req", file=sys.stderr, disable=None)
             start = time.perf_counter()
