@@ -83,6 +83,8 @@ class Int4Linear(nn.Module):
         Without a kernel (`use_kernel=False`, for exactness tests) the module dequantizes in
         fp32: the reference path.
         """
+        if self.kernel_weight is not None:
+            return  # already converted (the source buffers are gone)
         device = self.weight.device
         if not use_kernel or device.type not in ("cpu", "cuda"):
             self.kernel_weight = self.scales_and_zeros = None
@@ -96,6 +98,9 @@ class Int4Linear(nn.Module):
         self.scales_and_zeros = torch.stack(
             (self.weight_scale.t(), self.weight_zero.t()), dim=-1
         ).to(KERNEL_DTYPE).contiguous()
+        # The kernel layout is all the forward needs: keeping the stored layout too would
+        # double the int4 weights in memory.
+        self.weight = self.weight_scale = self.weight_zero = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel_weight is not None:
