@@ -33,6 +33,10 @@ class FileStore:
         self.db = db
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
+        # Leftovers of a killed upload or file write (the database lock makes this server
+        # the only one using the folder, so nothing here is in use).
+        for stale in (*root.glob(".upload-*"), *root.glob(".*.tmp")):
+            stale.unlink(missing_ok=True)
 
     def scratch(self) -> Path:
         """A fresh temporary path on the same disk (uploads land here, then are renamed)."""

@@ -1,0 +1,57 @@
+"""The file store on a real SQLite database: ownership, idempotency, leftovers."""
+
+from __future__ import annotations
+
+import pytest
+
+from storage.db import Database, DatabaseBusyError
+from storage.files import FileStore
+
+
+@pytest.fixture
+def store(tmp_path):
+    db = Database(tmp_path / "localserve.db")
+    yield FileStore(db, tmp_path / "files")
+    db.close()
+
+
+def upload(store: FileStore, tenant: str, data: bytes, key: str | None = None) -> dict:
+    scratch = store.scratch()
+    scratch.write_bytes(data)
+    return store.db.call(store.add, tenant, "in.jsonl", "batch", scratch, key)
+
+
+def test_owner_only_and_idempotent(store):
+    a = upload(store, "alice", b"{}\n", key="k1")
+    again = upload(store, "alice", b"other bytes\n", key="k1")
+    assert again["id"] == a["id"] and store.path(a).read_bytes() == b"{}\n"
+    assert upload(store, "bob", b"{}\n", key="k1")["id"] != a["id"]  # keys are per tenant
+    assert store.db.call(store.get, "bob", a["id"]) is None
+    assert store.db.call(store.delete, "bob", a["id"]) is False
+    assert store.db.call(store.delete, "alice", a["id"]) is True
+    assert not store.path(a).exists()
+    assert not list(store.root.glob(".upload-*"))  # the second upload's bytes were dropped
+
+
+def test_leftovers_of_a_killed_upload_are_swept(tmp_path):
+    files = tmp_path / "files"
+    files.mkdir()
+    (files / ".upload-abc").write_bytes(b"half")
+    (files / ".file-x-output.tmp").write_bytes(b"half")
+    (files / "file-keep").write_bytes(b"whole")
+    db = Database(tmp_path / "localserve.db")
+    try:
+        FileStore(db, files)
+        assert sorted(p.name for p in files.iterdir()) == ["file-keep"]
+    finally:
+        db.close()
+
+
+def test_one_database_user_at_a_time(tmp_path):
+    db = Database(tmp_path / "localserve.db")
+    try:
+        with pytest.raises(DatabaseBusyError):
+            Database(tmp_path / "localserve.db")
+    finally:
+        db.close()
+    Database(tmp_path / "localserve.db").close()  # free again once closed
