@@ -280,6 +280,8 @@ class AsyncEngine:
     def _deliver(self, step: StepOutput) -> None:
         touched = [s for s, f in zip(step.scheduled.seqs, step.scheduled.is_sampling,
                                      strict=True) if f]
+        # One wake-up of each event loop per step, not one per chunk.
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
         for seq in touched:
             req = self._requests.get(seq.request_id)
             if req is None:
@@ -301,7 +303,9 @@ class AsyncEngine:
             chunk = CompletionChunk(
                 index, text, [token], seq.finish_reason, detok.stopped_by, logprobs,
                 seq.num_prompt_tokens, seq.num_cached_tokens, seq.num_output_tokens)
-            req.loop.call_soon_threadsafe(req.queue.put_nowait, chunk)
+            batches.setdefault(req.loop, []).append((req.queue, chunk))
+        for loop, items in batches.items():
+            loop.call_soon_threadsafe(_put_all, items)
         # Only now: several of a request's n choices can finish in the same step.
         for seq in touched:
             req = self._requests.get(seq.request_id)
@@ -314,6 +318,11 @@ class AsyncEngine:
                 self.engine.abort(seq)
             req.loop.call_soon_threadsafe(req.queue.put_nowait, error)
         self._requests.clear()
+
+
+def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
+    for q, item in items:
+        q.put_nowait(item)
 
 
 def _release_freed_memory() -> None:
