@@ -9,7 +9,7 @@ from starlette.responses import JSONResponse, Response
 
 from server.api.body import read_json
 from server.api.errors import APIError, invalid, unsupported
-from server.api.files import int_param, not_found, page
+from server.api.files import int_param, owned_row, page
 from server.api.protocol import Fields
 from server.api.serving import ServerState, tenant
 from storage.batches import batch_object
@@ -80,11 +80,7 @@ async def cancel_batch(request: Request) -> Response:
 
 async def _row(request: Request) -> dict[str, Any]:
     state: ServerState = request.app.state.server
-    batch_id = request.path_params["batch_id"]
-    row = await state.db.run(state.batches.get, tenant(request), batch_id)
-    if row is None:
-        raise not_found("Batch", batch_id)
-    return row
+    return await owned_row(request, state.batches.get, "Batch", "batch_id")
 
 
 async def _object(state: ServerState, row: dict[str, Any]) -> dict[str, Any]:

@@ -107,10 +107,17 @@ async def delete_file(request: Request) -> Response:
 
 async def _row(request: Request) -> dict[str, Any]:
     state: ServerState = request.app.state.server
-    file_id = request.path_params["file_id"]
-    row = await state.db.run(state.files.get, tenant(request), file_id)
+    return await owned_row(request, state.files.get, "File", "file_id")
+
+
+async def owned_row(request: Request, get, kind: str, id_param: str) -> dict[str, Any]:
+    """The caller's object named by the path parameter `id_param`, or 404 (also when it
+    belongs to another key: its existence is not revealed)."""
+    state: ServerState = request.app.state.server
+    object_id = request.path_params[id_param]
+    row = await state.db.run(get, tenant(request), object_id)
     if row is None:
-        raise not_found("File", file_id)
+        raise not_found(kind, object_id)
     return row
 
 

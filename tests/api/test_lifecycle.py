@@ -101,3 +101,19 @@ def test_sigterm_drains_in_flight_requests_and_exits_cleanly(small_server):
     assert events[-1] == "[DONE]"
     assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
     assert small_server.proc.wait(30) == 0
+
+
+def test_metrics_report_latency_histograms_and_cache(server):
+    with httpx.Client(base_url=server.url, headers=server.headers, timeout=30) as client:
+        for _ in range(2):  # the second one hits the prefix cache
+            r = client.post("/v1/chat/completions", json=LONG | {"max_tokens": 4})
+            assert r.status_code == 200
+        text = client.get("/metrics").text
+    m = server.metrics()
+    assert m["localserve:time_to_first_token_seconds_count"] >= 2
+    assert m["localserve:inter_token_latency_seconds_count"] >= 6
+    assert m["localserve:e2e_request_latency_seconds_count"] >= 2
+    assert m["localserve:prefix_cache_hits_total"] > 0
+    assert 0 <= m["localserve:kv_cache_usage_perc"] <= 1
+    assert 'localserve:time_to_first_token_seconds_bucket{le="+Inf"' in text
+    assert "# TYPE localserve:inter_token_latency_seconds histogram" in text
