@@ -22,12 +22,14 @@ class AttentionGroup:
 
     token_index: torch.Tensor  # [B, max_q] index of each query in the step's tokens (padded)
     context_slots: torch.Tensor  # [B, max_ctx] cache slot of each context position (padded)
-    mask: torch.Tensor  # [B, 1, 1, max_q, max_ctx] additive: 0 where allowed, -inf elsewhere
+    mask: torch.Tensor  # [1, B, 1, max_q, max_ctx] additive: 0 where allowed, -inf elsewhere
     valid: torch.Tensor  # [num_valid] flat indices into [B * max_q] of real queries
     dest: torch.Tensor  # [num_valid] step-token index each real query's output goes to
+    whole_step: bool  # the group is every token of the step, in order, unpadded
+    flat_slots: torch.Tensor | None = None  # context_slots as [B * max_ctx] indices >= 0
 
 
-NULL_SLOT = -1  # the KV caches' extra last row: zeros, read by padding, never written
+NULL_SLOT = -1  # the KV caches' extra last slot: zeros, read by padding, never written
 
 
 @dataclass(slots=True)
@@ -68,6 +70,8 @@ def build_metadata(
         _build_group(idx, q_lens, s_lens, starts, tables, block_size, dtype, device)
         for idx in ([decode] if decode else []) + prefill
     ]
+    if len(groups) == 1 and groups[0].valid.numel() == num_tokens:
+        groups[0].whole_step = True
     return AttentionMetadata(
         positions=positions.to(device),
         slot_mapping=slot_mapping.to(device),
@@ -103,9 +107,10 @@ def _build_group(
     return AttentionGroup(
         token_index=token_index.to(device),
         context_slots=context_slots.to(device),
-        mask=mask[:, None, None].to(device),
+        mask=mask[None, :, None].to(device),
         valid=valid.to(device),
         dest=token_index.flatten()[valid].to(device),
+        whole_step=False,
     )
 
 
@@ -116,23 +121,36 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """q: [T, Hq, D]; caches: [num_slots, Hkv, D] already holding this step's k/v -> [T, Hq*D]."""
+    """q: [T, Hq, D]; caches: [Hkv, num_slots, D] already holding this step's k/v -> [T, Hq*D].
+
+    Batched matmuls + softmax (much faster than masked SDPA for one-token decode on CPU), laid
+    out [Hkv, B, ...] so the gathered keys/values are contiguous and the G query heads of a kv
+    head share it without copies (GQA).
+    """
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[1]
+    num_kv_heads = k_cache.shape[0]
     group_size = num_heads // num_kv_heads
-    out = q.new_empty(num_tokens, num_heads * head_dim)
+    out = None
     for g in meta.groups:
         b, max_q = g.token_index.shape
-        # [B, max_q, Hkv, G, D] -> [B, Hkv, G, max_q, D]
-        qg = q[g.token_index].view(b, max_q, num_kv_heads, group_size, head_dim)
-        qg = qg.permute(0, 2, 3, 1, 4)
-        k = k_cache[g.context_slots].permute(0, 2, 1, 3)  # [B, Hkv, C, D]
-        v = v_cache[g.context_slots].permute(0, 2, 1, 3)  # [B, Hkv, C, D]
-        # Batched matmuls + softmax: much faster than masked SDPA for one-token decode on CPU.
-        scores = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)) * scale  # [B,Hkv,G,max_q,C]
-        scores = scores + g.mask
+        rows = group_size * max_q
+        qg = q if g.whole_step else q[g.token_index]
+        # [B, max_q, Hkv, G, D] -> [Hkv, B, G, max_q, D] -> [Hkv * B, G * max_q, D]
+        qg = qg.view(b, max_q, num_kv_heads, group_size, head_dim).permute(2, 0, 3, 1, 4)
+        qg = (qg * scale).reshape(num_kv_heads * b, rows, head_dim)
+        if g.flat_slots is None:  # once per step: index_select takes no negative index
+            g.flat_slots = g.context_slots.view(-1).remainder(k_cache.shape[1])
+        slots, ctx = g.flat_slots, g.context_slots.shape[1]
+        k = k_cache.index_select(1, slots).view(num_kv_heads * b, ctx, head_dim)
+        v = v_cache.index_select(1, slots).view(num_kv_heads * b, ctx, head_dim)
+        scores = torch.bmm(qg, k.transpose(1, 2))  # [Hkv * B, G * max_q, C]
+        scores.view(num_kv_heads, b, group_size, max_q, ctx).add_(g.mask)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        o = torch.matmul(probs, v.unsqueeze(2))  # [B, Hkv, G, max_q, D]
-        o = o.permute(0, 3, 1, 2, 4).reshape(b * max_q, num_heads * head_dim)
+        o = torch.bmm(probs, v).view(num_kv_heads, b, group_size, max_q, head_dim)
+        o = o.permute(1, 3, 0, 2, 4).reshape(b * max_q, num_heads * head_dim)
+        if g.whole_step:
+            return o
+        if out is None:
+            out = q.new_empty(num_tokens, num_heads * head_dim)
         out[g.dest] = o[g.valid]
     return out

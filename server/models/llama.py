@@ -83,8 +83,8 @@ class Attention(nn.Module):
         x: torch.Tensor,  # [T, hidden]
         cos: torch.Tensor,  # [T, 1, head_dim]
         sin: torch.Tensor,  # [T, 1, head_dim]
-        k_cache: torch.Tensor,  # [num_slots, Hkv, head_dim]
-        v_cache: torch.Tensor,  # [num_slots, Hkv, head_dim]
+        k_cache: torch.Tensor,  # [Hkv, num_slots, head_dim]
+        v_cache: torch.Tensor,  # [Hkv, num_slots, head_dim]
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
@@ -100,8 +100,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        k_cache[meta.slot_mapping] = k
-        v_cache[meta.slot_mapping] = v
+        k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+        v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
         return self.o_proj(paged_attention(q, k_cache, v_cache, meta, self.scale))
 
 
@@ -172,7 +172,7 @@ class LlamaForCausalLM(nn.Module):
     def forward(
         self,
         input_ids: torch.Tensor,  # [T]
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer: ([slots, Hkv, D],)*2
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer: ([Hkv, slots, D],)*2
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Hidden states after the final norm: [T, hidden]."""

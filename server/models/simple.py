@@ -13,20 +13,20 @@ from server.models.attention import NULL_SLOT, build_metadata
 
 
 def allocate_kv(model: nn.Module, num_slots: int, device, dtype) -> list[tuple[torch.Tensor, ...]]:
-    """Per layer, (keys, values) of shape [num_slots + 1, num_kv_heads, head_dim]: flat slots.
+    """Per layer, (keys, values) of shape [num_kv_heads, num_slots + 1, head_dim]: flat slots.
 
-    The extra last row is NULL_SLOT, zeros, never written: padded context reads point there,
+    The extra last slot is NULL_SLOT, zeros, never written: padded context reads point there,
     so no other slot is ever read before it is written and the pool can stay uninitialized.
     Left untouched, its pages are not resident on CPU: memory grows with use, not at start.
     """
     c = model.config
-    shape = (num_slots + 1, c.num_kv_heads, c.head_dim)
+    shape = (c.num_kv_heads, num_slots + 1, c.head_dim)
     caches = []
     for _ in range(c.num_layers):
         k = torch.empty(shape, device=device, dtype=dtype)
         v = torch.empty(shape, device=device, dtype=dtype)
-        k[NULL_SLOT].zero_()
-        v[NULL_SLOT].zero_()
+        k[:, NULL_SLOT].zero_()
+        v[:, NULL_SLOT].zero_()
         caches.append((k, v))
     return caches
 

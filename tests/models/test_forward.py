@@ -68,8 +68,8 @@ def test_mixed_batch_equals_each_sequence_alone():
     tables = [[5, 0, 7], [2, 9], [1, 3, 4, 6]]
     kv = allocate_kv(ours, 10 * block, CPU, torch.float32)
     for k, v in kv:  # the pool is uninitialized: no slot may be read before it is written
-        k[:-1].fill_(float("nan"))
-        v[:-1].fill_(float("nan"))
+        k[:, :-1].fill_(float("nan"))
+        v[:, :-1].fill_(float("nan"))
     for seq, table, upto in ((a, tables[0], 19), (b, tables[1], 8), (c, tables[2], 20)):
         meta = build_metadata([upto], [upto], [table], block, CPU)
         ours(torch.tensor(seq[:upto]), kv, meta)
