@@ -3,13 +3,15 @@
     python benchmarks/engine_throughput.py smollm2-135m:int4 smollm2-135m:bf16
 
 For each model and each number of concurrent sequences, N distinct chat prompts are prefilled,
-then decoded for --tokens steps with ignore_eos; only the all-decode steps are timed. Prints a
-markdown table (the one in the README).
+then decoded for --tokens steps with ignore_eos; only the all-decode steps are timed. The batch
+sizes are measured in turn --repeat times (the machine is shared and noisy) and each cell is
+the median. Prints a markdown table (the one in the README).
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -49,6 +51,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16, 32])
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--dtype", default=None, choices=("bf16", "fp32"))
+    parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
     device = pick_device()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
@@ -61,7 +64,11 @@ def main() -> None:
         model = load_model(stored, device, dtype).model
         tokenizer = load_tokenizer(stored)
         measure(model, tokenizer, device, dtype, 2, 4)  # warm-up
-        rates = {b: measure(model, tokenizer, device, dtype, b, args.tokens) for b in args.batch}
+        runs: dict[int, list[float]] = {b: [] for b in args.batch}
+        for _ in range(args.repeat):
+            for b in args.batch:
+                runs[b].append(measure(model, tokenizer, device, dtype, b, args.tokens))
+        rates = {b: statistics.median(r) for b, r in runs.items()}
         ratio = f"{rates[16] / rates[1]:.1f}x" if 1 in rates and 16 in rates else "-"
         cells = " | ".join(f"{rates[b]:.0f} tok/s" for b in args.batch)
         print(f"| {stored.name} | {str(dtype).removeprefix('torch.')} | {cells} | {ratio} |",
