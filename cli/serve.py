@@ -36,6 +36,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per step")
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--max-itl-stretch", type=float, default=2.0,
+                   help="a step that decodes may take at most this multiple of a decode-only "
+                        "step because of prompt chunks (default 2.0; 0: no pacing, prompt "
+                        "chunks bounded by --max-num-batched-tokens only)")
     p.add_argument("--max-pending", type=int, default=256,
                    help="requests in progress before new ones get 429 (default 256)")
     p.add_argument("--max-body-mb", type=int, default=16, help="JSON body limit (default 16)")
@@ -76,6 +80,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--{flag.replace('_', '-')} must be at least 1")
     if not 0 <= args.batch_discount <= 1 or args.price_input < 0 or args.price_output < 0:
         raise ValueError("prices must be >= 0 and --batch-discount within 0..1")
+    if args.max_itl_stretch != 0 and not 1 <= args.max_itl_stretch <= 1000:
+        raise ValueError("--max-itl-stretch must be 0 (off) or within 1..1000")
     if args.kv_cache_mb is not None and args.kv_cache_mb < 1:
         raise ValueError("--kv-cache-mb must be at least 1")
     if not 0 <= args.port <= 65535:
@@ -92,7 +98,8 @@ def run(args: argparse.Namespace) -> int:
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len,
             kv_cache_bytes=args.kv_cache_mb << 20 if args.kv_cache_mb else None,
-            enable_prefix_caching=not args.no_prefix_caching),
+            enable_prefix_caching=not args.no_prefix_caching,
+            max_itl_stretch=args.max_itl_stretch or None),
         device=args.device, dtype=args.dtype, threads=args.threads,
         prices=Prices(args.price_input, args.price_output, args.batch_discount),
         batch_window_seconds=args.batch_window,

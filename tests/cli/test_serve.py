@@ -25,9 +25,12 @@ def test_unknown_model(empty_home, capsys):
     assert "localserve pull nosuch" in one_line_error(capsys)
 
 
-@pytest.mark.parametrize("flag", ["--max-num-seqs", "--max-pending", "--kv-cache-mb"])
-def test_bad_numbers(empty_home, capsys, flag):
-    assert main(["serve", "nosuch", flag, "0"]) == 1
+@pytest.mark.parametrize(("flag", "value"), [("--max-num-seqs", "0"), ("--max-pending", "0"),
+                                             ("--kv-cache-mb", "0"), ("--max-itl-stretch", "0.5"),
+                                             ("--max-itl-stretch", "nan"),
+                                             ("--max-itl-stretch", "inf")])
+def test_bad_numbers(empty_home, capsys, flag, value):
+    assert main(["serve", "nosuch", flag, value]) == 1
     assert flag in one_line_error(capsys)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from server.engine.engine import Engine, EngineConfig
+from server.engine.engine import MIN_PREFILL_CHUNK, Engine, EngineConfig, PrefillPacer
 from server.engine.scheduler import RequestTooLargeError
 from server.engine.sequence import PRIORITY_BATCH, SamplingParams, Sequence, SequenceStatus
 from server.models.loader import build_model
@@ -165,3 +165,48 @@ def test_stats_and_pool_sizing(llama):
     assert stats["num_running"] == 1 and stats["kv_blocks_used"] == 3  # ceil(40 / 16)
     assert stats["prefix_cache_queries"] == 40 and stats["prefix_cache_hits"] == 0
     assert stats["prompt_tokens"] == {0: 40} and stats["generation_tokens"] == {0: 1}
+
+
+def test_prefill_pacer_sizes_chunks_from_measured_costs():
+    pacer = PrefillPacer(stretch=2.0, min_tokens=16)
+    assert pacer.cap() is None  # nothing measured yet
+    pacer.observe(num_decodes=0, num_prompt_tokens=400, seconds=2.0)  # 5 ms per prompt token
+    assert pacer.cap() is None  # no decode step seen yet
+    pacer.observe(num_decodes=16, num_prompt_tokens=0, seconds=0.15)
+    assert pacer.cap() == 30  # one more decode step's worth: 0.15 s / 5 ms
+    # A mixed step: its time beyond the decodes is charged to its prompt tokens.
+    pacer.observe(num_decodes=16, num_prompt_tokens=30, seconds=0.15 + 30 * 0.010)
+    assert pacer.token_seconds == pytest.approx(0.7 * 0.005 + 0.3 * 0.010)
+    assert pacer.cap() == int(0.15 / pacer.token_seconds)
+    pacer.observe(num_decodes=16, num_prompt_tokens=0, seconds=0.01)
+    assert pacer.cap() == 16  # never below one block: a new prompt always advances
+    assert PrefillPacer(stretch=None, min_tokens=16).cap() is None
+
+
+def test_paced_engine_keeps_decoding_while_a_long_prompt_arrives(llama):
+    """Streams keep one token per step while a long prompt is fed in capped chunks, and every
+    request still gets the tokens it gets alone. (Stretch 1.0: no extra time for prompts, so
+    the cap is its floor, MIN_PREFILL_CHUNK, whatever the timings.)"""
+    engine = Engine(llama, EngineConfig(num_blocks=128, max_num_batched_tokens=256,
+                                        max_itl_stretch=1.0), CPU, torch.float32)
+    streams = [Sequence(prompt(5, i), greedy(60)) for i in range(4)]
+    for s in streams:
+        engine.add(s)
+    for _ in range(10):
+        engine.step()
+    assert engine.pacer.decode_seconds and engine.pacer.token_seconds
+    long = Sequence(prompt(300, 99), greedy(5))
+    engine.add(long)
+    chunks = []
+    while long.num_computed_tokens < 300:
+        out = engine.step().scheduled
+        assert [n for x, n in zip(out.seqs, out.num_new_tokens, strict=True) if x in streams] \
+            == [1, 1, 1, 1]
+        chunks.append(out.num_new_tokens[-1])
+    assert engine.scheduler.prefill_tokens_with_decodes == MIN_PREFILL_CHUNK == 16
+    assert chunks == [16] * 18 + [12]
+    while engine.has_unfinished:
+        engine.step()
+    assert long.output_token_ids == solo(llama, prompt(300, 99), 5)
+    assert [s.output_token_ids for s in streams] == [solo(llama, prompt(5, i), 60)
+                                                     for i in range(4)]

@@ -53,6 +53,33 @@ def test_chunked_prefill_splits_the_budget_and_decode_goes_first():
     assert long.num_computed_tokens == 41 and long.num_output_tokens == 2
 
 
+def test_prompt_chunks_are_capped_in_steps_that_decode():
+    s = make(budget=64)
+    s.prefill_tokens_with_decodes = 6
+    a, b = seq(3, max_tokens=20, start=100), seq(3, max_tokens=20, start=200)
+    s.add(a)
+    s.add(b)
+    out, _ = step(s)
+    assert out.num_new_tokens == [3, 3]  # no decodes yet: no cap
+    long, other = seq(40, start=300), seq(10, start=400)
+    s.add(long)
+    s.add(other)
+    out, _ = step(s)
+    # Both decode; prompt tokens are capped at 6 in total, the waiting one gets none.
+    assert out.seqs == [a, b, long] and out.num_new_tokens == [1, 1, 6]
+    out, _ = step(s)
+    assert out.seqs == [a, b, long] and out.num_new_tokens == [1, 1, 6]
+    a.params.max_tokens = b.params.max_tokens = a.num_output_tokens  # both finish next step
+    out, finished = step(s)
+    assert finished == [a, b]
+    out, _ = step(s)  # nobody decodes: the budget alone bounds the prompts
+    assert out.seqs == [long, other] and out.num_new_tokens == [22, 10]
+    s.prefill_tokens_with_decodes = None
+    s.add(seq(50, start=600))
+    out, _ = step(s)
+    assert out.num_new_tokens == [1, 1, 50]  # no cap: chunk bounded by the budget only
+
+
 def test_max_tokens_finishes_and_frees():
     s = make()
     a = seq(5, max_tokens=2)
@@ -200,10 +227,11 @@ def check_accounting(s: Scheduler):
         assert bm.blocks[block_id].block_hash == block_hash
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_randomized_schedule_keeps_block_accounting(seed):
+@pytest.mark.parametrize(("seed", "prefill_cap"), [(0, None), (1, None), (2, 5), (3, 5)])
+def test_randomized_schedule_keeps_block_accounting(seed, prefill_cap):
     rng = random.Random(seed)
     s = make(num_blocks=24, block_size=4, max_num_seqs=6, budget=20, max_model_len=96)
+    s.prefill_tokens_with_decodes = prefill_cap
     live = []
     shared = list(range(1000, 1012))  # common prefix for cache hits
     for _ in range(300):
