@@ -38,8 +38,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--max-itl-stretch", type=float, default=2.0,
                    help="a step that decodes may take at most this multiple of a decode-only "
-                        "step because of prompt chunks (default 2.0; 0: no pacing, prompt "
-                        "chunks bounded by --max-num-batched-tokens only)")
+                        "step because of chunks of long prompts (over 256 tokens) (default "
+                        "2.0; 0: no pacing, chunks bounded by --max-num-batched-tokens only)")
     p.add_argument("--max-pending", type=int, default=256,
                    help="requests in progress before new ones get 429 (default 256)")
     p.add_argument("--max-body-mb", type=int, default=16, help="JSON body limit (default 16)")

@@ -40,9 +40,10 @@ class EngineConfig:
     # them); batch work alone uses all of max_num_seqs.
     max_num_shared_seqs: int = 8
     # Chunked prefill for inter-token latency: a step that also decodes may take at most this
-    # multiple of a decode-only step because of the prompt chunks in it (measured costs, see
-    # PrefillPacer). None: prompt chunks are bounded by max_num_batched_tokens only.
+    # multiple of a decode-only step because of the chunks of long prompts in it (measured
+    # costs, see PrefillPacer). None: chunks are bounded by max_num_batched_tokens only.
     max_itl_stretch: float | None = 2.0
+    long_prompt_tokens: int = 256  # only prompts longer than this are paced
 
 
 @dataclass(slots=True)
@@ -117,7 +118,7 @@ class Engine:
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.max_model_len,
-                                   config.max_num_shared_seqs)
+                                   config.max_num_shared_seqs, config.long_prompt_tokens)
         self.runner = ModelRunner(model, num_blocks, config.block_size, device, dtype)
         self.metrics = Metrics()
         self.pacer = PrefillPacer(config.max_itl_stretch, MIN_PREFILL_CHUNK)

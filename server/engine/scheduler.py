@@ -4,9 +4,11 @@ Each step has a token budget (max_num_batched_tokens) and a cap on sequences (ma
 Running sequences are served first, most important first: a decoding sequence needs one
 token, a sequence still prefilling takes the next chunk of its prompt. Waiting requests then
 fill what is left of the budget, in priority order. A request joins at the next step; a
-finished one leaves at once and its blocks serve the next step. In a step with decodes, prompt
-tokens are also capped by `prefill_tokens_with_decodes` (set by the engine from measured step
-times), so a long prompt arriving cannot stall running streams for one giant step.
+finished one leaves at once and its blocks serve the next step. In a step with decodes, chunks
+of long prompts (over `long_prompt_tokens`) are also capped by `prefill_tokens_with_decodes`
+(set by the engine from measured step times), so a long prompt arriving cannot stall running
+streams for one giant step; short prompts are not held back (that would only trade their TTFT
+and the server's throughput for a little inter-token latency).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class Scheduler:
         max_num_batched_tokens: int = 512,
         max_model_len: int = 2048,
         max_num_shared_seqs: int | None = None,
+        long_prompt_tokens: int = 256,
     ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
@@ -56,8 +59,9 @@ class Scheduler:
         # work) compute at most this many per step, so steps stay short for the top ones.
         self.max_num_shared_seqs = max_num_shared_seqs or max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        # Prompt tokens a step may compute when it also decodes (None: only the budget).
+        # Tokens of long prompts a step may compute when it also decodes (None: the budget).
         self.prefill_tokens_with_decodes: int | None = None
+        self.long_prompt_tokens = long_prompt_tokens
         self.max_model_len = max_model_len
         self.waiting: list[Sequence] = []  # sorted by (priority, order of arrival)
         self.running: list[Sequence] = []  # sorted by (priority, admission): the tail goes first
@@ -143,7 +147,7 @@ class Scheduler:
                     break
                 num_shared += 1
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if n > 1:  # a prompt chunk
+            if n > 1 and seq.num_prompt_tokens > self.long_prompt_tokens:  # a long prompt's chunk
                 n = min(n, prefill_left)
                 if n == 0:
                     i += 1
@@ -163,7 +167,7 @@ class Scheduler:
 
         j = 0
         running_was_short = bool(out.preempted)  # no admissions while running seqs lack memory
-        while j < len(self.waiting) and min(budget, prefill_left) > 0 and not running_was_short:
+        while j < len(self.waiting) and budget > 0 and not running_was_short:
             seq = self.waiting[j]
             if seq.priority > top and num_shared >= self.max_num_shared_seqs:
                 break  # waiting is sorted by priority: the rest are shared too
@@ -171,13 +175,18 @@ class Scheduler:
                 j += 1  # n > 1: siblings wait to share the leader's cached prompt blocks
                 continue
             hits = bm.match_prefix(seq)
-            n = min(seq.num_tokens - len(hits) * bm.block_size, budget, prefill_left)
+            n = min(seq.num_tokens - len(hits) * bm.block_size, budget)
+            long = seq.num_prompt_tokens > self.long_prompt_tokens
+            if long and n > 1:
+                n = min(n, prefill_left)
+                if n == 0:
+                    j += 1  # a shorter one behind it may still go
+                    continue
             if len(self.running) >= self.max_num_seqs or not bm.can_allocate(seq, n, hits):
                 refund = self._preempt_lower(seq, out)
                 if refund is None:
                     break
                 budget += refund
-                prefill_left += refund if refund > 1 else 0
                 continue
             del self.waiting[j], self._waiting_keys[j]
             num_shared += seq.priority > top
@@ -188,7 +197,7 @@ class Scheduler:
             bisect.insort(self.running, seq, key=lambda s: (s.priority, s.arrival))
             self._schedule(out, seq, n)
             budget -= n
-            prefill_left -= n if n > 1 else 0
+            prefill_left -= n if long and n > 1 else 0
         return out
 
     def update(self, out: SchedulerOutput, sampled: list[int]) -> list[Sequence]:

@@ -53,31 +53,40 @@ def test_chunked_prefill_splits_the_budget_and_decode_goes_first():
     assert long.num_computed_tokens == 41 and long.num_output_tokens == 2
 
 
-def test_prompt_chunks_are_capped_in_steps_that_decode():
+def test_long_prompt_chunks_are_capped_in_steps_that_decode():
     s = make(budget=64)
-    s.prefill_tokens_with_decodes = 6
+    s.prefill_tokens_with_decodes, s.long_prompt_tokens = 6, 20
     a, b = seq(3, max_tokens=20, start=100), seq(3, max_tokens=20, start=200)
     s.add(a)
     s.add(b)
     out, _ = step(s)
     assert out.num_new_tokens == [3, 3]  # no decodes yet: no cap
-    long, other = seq(40, start=300), seq(10, start=400)
+    long, short = seq(40, start=300), seq(10, start=400)
     s.add(long)
-    s.add(other)
+    s.add(short)
     out, _ = step(s)
-    # Both decode; prompt tokens are capped at 6 in total, the waiting one gets none.
-    assert out.seqs == [a, b, long] and out.num_new_tokens == [1, 1, 6]
+    # Both decode: the long prompt gets 6 tokens, the short one is not held back.
+    assert out.seqs == [a, b, long, short] and out.num_new_tokens == [1, 1, 6, 10]
     out, _ = step(s)
-    assert out.seqs == [a, b, long] and out.num_new_tokens == [1, 1, 6]
-    a.params.max_tokens = b.params.max_tokens = a.num_output_tokens  # both finish next step
-    out, finished = step(s)
-    assert finished == [a, b]
-    out, _ = step(s)  # nobody decodes: the budget alone bounds the prompts
-    assert out.seqs == [long, other] and out.num_new_tokens == [22, 10]
+    assert out.seqs == [a, b, long, short] and out.num_new_tokens == [1, 1, 6, 1]
     s.prefill_tokens_with_decodes = None
-    s.add(seq(50, start=600))
+    out, _ = step(s)  # no cap: the rest of the prompt in one chunk
+    assert out.seqs == [a, b, long, short] and out.num_new_tokens == [1, 1, 28, 1]
+
+
+def test_capped_long_prompt_lets_short_ones_behind_it_in():
+    s = make(budget=64)
+    s.prefill_tokens_with_decodes, s.long_prompt_tokens = 4, 20
+    a = seq(3, max_tokens=20, start=100)
+    s.add(a)
+    step(s)
+    first, second, short = seq(30, start=200), seq(30, start=300), seq(5, start=400)
+    for x in (first, second, short):
+        s.add(x)
     out, _ = step(s)
-    assert out.num_new_tokens == [1, 1, 50]  # no cap: chunk bounded by the budget only
+    # The cap is spent on the first long prompt; the second waits, the short one goes.
+    assert out.seqs == [a, first, short] and out.num_new_tokens == [1, 4, 5]
+    assert s.waiting == [second]
 
 
 def test_max_tokens_finishes_and_frees():
@@ -231,7 +240,7 @@ def check_accounting(s: Scheduler):
 def test_randomized_schedule_keeps_block_accounting(seed, prefill_cap):
     rng = random.Random(seed)
     s = make(num_blocks=24, block_size=4, max_num_seqs=6, budget=20, max_model_len=96)
-    s.prefill_tokens_with_decodes = prefill_cap
+    s.prefill_tokens_with_decodes, s.long_prompt_tokens = prefill_cap, 12
     live = []
     shared = list(range(1000, 1012))  # common prefix for cache hits
     for _ in range(300):
