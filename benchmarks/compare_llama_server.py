@@ -104,14 +104,17 @@ def serve_llama(binary: str, tmp: Path, args) -> dict:
 
 
 def table(reports: list[dict]) -> str:
+    """tok/s at every level, TTFT p95 at the issue's 32 clients (else the highest level) and
+    inter-token latency at the lowest."""
     levels = [lv["concurrency"] for lv in reports[0]["levels"]]
+    at = levels.index(32) if 32 in levels else len(levels) - 1
     head = "| server | " + " | ".join(f"{c} clients tok/s" for c in levels)
-    head += " | TTFT p95 @" + str(levels[-1]) + " | ITL p50 @1 |"
+    head += f" | TTFT p95 @{levels[at]} | ITL p50 @{levels[0]} |"
     rows = [head, "|" + " --- |" * (len(levels) + 3)]
     for r in reports:
         lv = r["levels"]
         rows.append(f"| {r['label']} | " + " | ".join(f"{x['tokens_per_s']:.0f}" for x in lv)
-                    + f" | {lv[-1]['ttft']['p95'] * 1000:.0f} ms | "
+                    + f" | {lv[at]['ttft']['p95'] * 1000:.0f} ms | "
                     f"{(lv[0]['itl']['p50'] or 0) * 1000:.0f} ms |")
     return "\n".join(rows) + "\n"
 
@@ -125,20 +128,31 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--output-tokens", type=int, default=64)
     ap.add_argument("--serve-args", default="", help="extra `localserve serve` flags")
+    ap.add_argument("--from-json", action="store_true",
+                    help="no runs: rewrite the table, plot and README from results/compare.json "
+                         "(give the flags of the run it holds, for the README's note)")
     args = ap.parse_args()
     RESULTS.mkdir(exist_ok=True)
+    if args.from_json:
+        reports = json.loads((RESULTS / "compare.json").read_text())
+    else:
+        reports = run_all(args)
+        (RESULTS / "compare.json").write_text(json.dumps(reports, indent=2))
+    md = table(reports)
+    (RESULTS / "compare.md").write_text(md)
+    plot(reports, RESULTS / "compare.png")
+    write_readme(md, args)
+    print(md)
+
+
+def run_all(args: argparse.Namespace) -> list[dict]:
     reports = []
     with tempfile.TemporaryDirectory() as tmp:
         for tag in args.bits.split(","):
             reports.append(serve_localserve(tag, Path(tmp), args))
         if args.llama_server:
             reports.append(serve_llama(args.llama_server, Path(tmp), args))
-    (RESULTS / "compare.json").write_text(json.dumps(reports, indent=2))
-    md = table(reports)
-    (RESULTS / "compare.md").write_text(md)
-    plot(reports, RESULTS / "compare.png")
-    write_readme(md, args)
-    print(md)
+    return reports
 
 
 def write_readme(md: str, args: argparse.Namespace) -> None:
