@@ -81,14 +81,32 @@ def load_model(
     use_kernels: bool = True,
 ) -> LoadedModel:
     """Load a stored model; `use_kernels=False` gives the dequantizing reference path."""
-    from safetensors.torch import load
+    from safetensors.torch import load_file
 
     if verify:
         stored.verify()
     config = ModelConfig.from_hf(stored.manifest["config"])
-    # Read, not mmap: a tensor kept as loaded (the int8 embedding) would keep the whole mapped
-    # file resident, pages of converted tensors included (63 MB of the int4 file, measured).
-    state = load((stored.path / "model.safetensors").read_bytes())
+    state = load_file(str(stored.path / "model.safetensors"))  # mapped, not read
     model = build_model(config, state, stored.manifest["quantized"], device, dtype,
                         use_kernels)
+    detach_from(model, state)
     return LoadedModel(model, config, stored, device, dtype)
+
+
+def detach_from(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Copy the tensors the model kept as loaded (the int8 embedding and int8 weights, bf16
+    ones on a bf16 device) out of the mapped file, so the mapping goes with `state`. Kept, it
+    would hold the whole file resident, pages of converted tensors included: 63 MB of the int4
+    smollm2-135m file, measured. Shared tensors (a tied head) stay shared."""
+    mapped = {t.untyped_storage().data_ptr() for t in state.values() if t.device.type == "cpu"}
+    copies: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, t in table.items():
+                if t is None or t.untyped_storage().data_ptr() not in mapped:
+                    continue
+                if id(t) not in copies:
+                    c = t.detach().clone()
+                    copies[id(t)] = nn.Parameter(c, requires_grad=False) if isinstance(
+                        t, nn.Parameter) else c
+                table[name] = copies[id(t)]

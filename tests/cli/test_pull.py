@@ -255,3 +255,30 @@ def test_full_disk_one_line_error_and_nothing_left(home, llama_folder, monkeypat
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["localserve: error: no space left on device (model.safetensors)"]
     assert list((home / "models").iterdir()) == []
+
+
+@pytest.fixture(scope="module")
+def tied_llama_folder(tmp_path_factory):
+    hf = hf_model("llama", seed=12, tie_word_embeddings=True)
+    return hf, save_hf_folder(hf, tmp_path_factory.mktemp("hf") / "Tied-Llama")
+
+
+@pytest.mark.parametrize("bits", [4, 8, 16])
+def test_loaded_model_does_not_keep_the_file_mapped(home, tied_llama_folder, bits):
+    """Tensors kept as loaded are copied out of the mapped safetensors file, so the mapping (and
+    the file pages of every converted tensor with it) is gone once loading returns; the tied
+    head still shares the embedding's tensor. The model still computes the reference logits."""
+    import gc
+
+    hf, folder = tied_llama_folder
+    assert hf.config.tie_word_embeddings
+    assert main(["pull", str(folder), "--bits", str(bits)]) == 0
+    stored = ModelStore().list()[0]
+    m = load_model(stored, torch.device("cpu"), torch.float32)
+    gc.collect()
+    with open("/proc/self/maps") as f:
+        assert str(stored.path / "model.safetensors") not in f.read()
+    assert m.model.lm_head.weight is m.model.model.embed_tokens.weight
+    logits = prompt_logits(m.model, IDS)
+    cosine = torch.nn.functional.cosine_similarity(logits, reference_logits(hf), dim=-1)
+    assert cosine.min() > (0.9 if bits == 4 else 0.999)
