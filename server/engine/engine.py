@@ -32,6 +32,9 @@ class EngineConfig:
     block_size: int = 16
     num_blocks: int | None = None  # default: from kv_cache_bytes
     kv_cache_bytes: int | None = None  # KV pool budget; default: default_kv_cache_bytes()
+    # Storage dtype of the KV pool (None: the compute dtype). bf16 under fp32 compute halves
+    # the pool's memory and the bytes attention gathers; values are rounded to bf16.
+    kv_cache_dtype: torch.dtype | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None  # default: the model's context
@@ -112,14 +115,16 @@ class Engine:
         self.max_model_len = min(config.max_model_len or model_len, model_len)
         budget = config.kv_cache_bytes or default_kv_cache_bytes(device)
         num_blocks = config.num_blocks or max(
-            1, budget // kv_bytes_per_block(model.config, config.block_size, dtype))
+            1, budget // kv_bytes_per_block(model.config, config.block_size,
+                                            config.kv_cache_dtype or dtype))
         self.config = config
         self.block_manager = BlockManager(num_blocks, config.block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.max_model_len,
                                    config.max_num_shared_seqs, config.long_prompt_tokens)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, device, dtype)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, device, dtype,
+                                  config.kv_cache_dtype)
         self.metrics = Metrics()
         self.pacer = PrefillPacer(config.max_itl_stretch, MIN_PREFILL_CHUNK)
 

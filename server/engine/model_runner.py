@@ -26,11 +26,12 @@ def kv_bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
 
 
 class ModelRunner:
-    def __init__(self, model, num_blocks: int, block_size: int, device, dtype) -> None:
+    def __init__(self, model, num_blocks: int, block_size: int, device, dtype,
+                 kv_dtype: torch.dtype | None = None) -> None:
         self.model = model
         self.block_size = block_size
         self.device, self.dtype = device, dtype
-        self.kv_caches = allocate_kv(model, num_blocks * block_size, device, dtype)
+        self.kv_caches = allocate_kv(model, num_blocks * block_size, device, kv_dtype or dtype)
         self.sampler = Sampler()
 
     @torch.inference_mode()

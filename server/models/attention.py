@@ -141,8 +141,9 @@ def paged_attention(
         if g.flat_slots is None:  # once per step: index_select takes no negative index
             g.flat_slots = g.context_slots.view(-1).remainder(k_cache.shape[1])
         slots, ctx = g.flat_slots, g.context_slots.shape[1]
-        k = k_cache.index_select(1, slots).view(num_kv_heads * b, ctx, head_dim)
-        v = v_cache.index_select(1, slots).view(num_kv_heads * b, ctx, head_dim)
+        # A pool stored in another dtype (bf16 under fp32 compute) converts after the gather.
+        k = k_cache.index_select(1, slots).view(num_kv_heads * b, ctx, head_dim).to(q.dtype)
+        v = v_cache.index_select(1, slots).view(num_kv_heads * b, ctx, head_dim).to(q.dtype)
         scores = torch.bmm(qg, k.transpose(1, 2))  # [Hkv * B, G * max_q, C]
         scores.view(num_kv_heads, b, group_size, max_q, ctx).add_(g.mask)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)

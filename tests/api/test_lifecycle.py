@@ -117,3 +117,18 @@ def test_metrics_report_latency_histograms_and_cache(server):
     assert 0 <= m["localserve:kv_cache_usage_perc"] <= 1
     assert 'localserve:time_to_first_token_seconds_bucket{le="+Inf"' in text
     assert "# TYPE localserve:inter_token_latency_seconds histogram" in text
+
+
+def test_kv_cache_dtype_bf16_doubles_the_pool_and_serves(tiny_home, tmp_path):
+    totals = {}
+    for kv in ("fp32", "bf16"):
+        proc = own_server(tiny_home, tmp_path / kv, [MODEL, "--kv-cache-mb", "8",
+                                                     "--kv-cache-dtype", kv])
+        try:
+            r = httpx.post(f"{proc.url}/v1/chat/completions", timeout=30, json=LONG | {
+                "max_tokens": 5})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+            totals[kv] = proc.metrics()["localserve:kv_cache_blocks_total"]
+        finally:
+            proc.stop()
+    assert totals["bf16"] == 2 * totals["fp32"] > 0

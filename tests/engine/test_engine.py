@@ -210,3 +210,16 @@ def test_paced_engine_keeps_decoding_while_a_long_prompt_arrives(llama):
     assert long.output_token_ids == solo(llama, prompt(300, 99), 5)
     assert [s.output_token_ids for s in streams] == [solo(llama, prompt(5, i), 60)
                                                      for i in range(4)]
+
+
+def test_bf16_kv_pool_holds_twice_the_blocks_and_gives_the_same_tokens(llama):
+    budget = 1 << 20
+    fp32 = Engine(llama, EngineConfig(kv_cache_bytes=budget), CPU, torch.float32)
+    bf16 = Engine(llama, EngineConfig(kv_cache_bytes=budget, kv_cache_dtype=torch.bfloat16), CPU,
+                  torch.float32)
+    assert bf16.runner.kv_caches[0][0].dtype == torch.bfloat16
+    assert len(bf16.block_manager.blocks) == 2 * len(fp32.block_manager.blocks)
+    seqs = [Sequence(prompt(20 + i, i), greedy(12)) for i in range(3)]
+    run(llama, seqs, kv_cache_dtype=torch.bfloat16)
+    assert [s.output_token_ids for s in seqs] == [solo(llama, prompt(20 + i, i), 12)
+                                                  for i in range(3)]
