@@ -146,13 +146,12 @@ class Scheduler:
                 if num_shared >= self.max_num_shared_seqs:
                     break
                 num_shared += 1
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if n > 1 and seq.num_prompt_tokens > self.long_prompt_tokens:  # a long prompt's chunk
-                n = min(n, prefill_left)
-                if n == 0:
-                    i += 1
-                    continue
-                prefill_left -= n
+            n = self._paced(seq, min(seq.num_tokens - seq.num_computed_tokens, budget),
+                            prefill_left)
+            if n == 0:
+                i += 1  # a long prompt past the cap: decodes behind it still go
+                continue
+            prefill_left -= self._paced_tokens(seq, n)
             while not bm.can_append(seq, n):
                 victim = self.running[-1]  # lowest priority, most recently admitted
                 self._preempt(victim, out)
@@ -175,13 +174,11 @@ class Scheduler:
                 j += 1  # n > 1: siblings wait to share the leader's cached prompt blocks
                 continue
             hits = bm.match_prefix(seq)
-            n = min(seq.num_tokens - len(hits) * bm.block_size, budget)
-            long = seq.num_prompt_tokens > self.long_prompt_tokens
-            if long and n > 1:
-                n = min(n, prefill_left)
-                if n == 0:
-                    j += 1  # a shorter one behind it may still go
-                    continue
+            n = self._paced(seq, min(seq.num_tokens - len(hits) * bm.block_size, budget),
+                            prefill_left)
+            if n == 0:
+                j += 1  # a long prompt past the cap: a shorter one behind it may still go
+                continue
             if len(self.running) >= self.max_num_seqs or not bm.can_allocate(seq, n, hits):
                 refund = self._preempt_lower(seq, out)
                 if refund is None:
@@ -197,7 +194,7 @@ class Scheduler:
             bisect.insort(self.running, seq, key=lambda s: (s.priority, s.arrival))
             self._schedule(out, seq, n)
             budget -= n
-            prefill_left -= n if long and n > 1 else 0
+            prefill_left -= self._paced_tokens(seq, n)
         return out
 
     def update(self, out: SchedulerOutput, sampled: list[int]) -> list[Sequence]:
@@ -222,6 +219,15 @@ class Scheduler:
         return finished
 
     # -- helpers -------------------------------------------------------------------------------
+
+    def _paced_tokens(self, seq: Sequence, n: int) -> int:
+        """The tokens of an n-token computation that count against the pacing cap: a chunk of
+        a long prompt counts, a decode or a short prompt does not."""
+        return n if n > 1 and seq.num_prompt_tokens > self.long_prompt_tokens else 0
+
+    def _paced(self, seq: Sequence, n: int, prefill_left: int) -> int:
+        """n, or as much of it as the pacing cap leaves (0: not this step)."""
+        return min(n, prefill_left) if self._paced_tokens(seq, n) else n
 
     def _schedule(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
         out.seqs.append(seq)
