@@ -71,12 +71,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
     from server.api.app import create_app
     from server.api.serving import ServerSettings, ServerState
     from server.api.usage import Prices
     from server.engine.engine import EngineConfig
+    from server.models.device import DTYPES
 
     for flag in ("max_num_seqs", "max_num_batched_tokens", "max_pending", "max_body_mb"):
         if getattr(args, flag) < 1:
@@ -105,8 +104,7 @@ def run(args: argparse.Namespace) -> int:
             max_model_len=args.max_model_len,
             kv_cache_bytes=args.kv_cache_mb << 20 if args.kv_cache_mb else None,
             enable_prefix_caching=not args.no_prefix_caching,
-            kv_cache_dtype={"bf16": torch.bfloat16, "fp32": torch.float32,
-                            None: None}[args.kv_cache_dtype],
+            kv_cache_dtype=DTYPES[args.kv_cache_dtype] if args.kv_cache_dtype else None,
             max_itl_stretch=args.max_itl_stretch or None),
         device=args.device, dtype=args.dtype, threads=args.threads,
         prices=Prices(args.price_input, args.price_output, args.batch_discount),

@@ -24,10 +24,13 @@ def cpu_has_native_bf16() -> bool:
     return " avx512_bf16" in flags or " amx_bf16" in flags
 
 
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32,
+          "float32": torch.float32, "fp16": torch.float16}
+
+
 def pick_dtype(device: torch.device, name: str | None = None) -> torch.dtype:
     if name:
-        return {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32,
-                "float32": torch.float32, "fp16": torch.float16}[name]
+        return DTYPES[name]
     if device.type == "cuda":
         return torch.bfloat16
     return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
