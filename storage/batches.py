@@ -186,11 +186,11 @@ class BatchStore:
             if good or not bad:
                 output_id = f"file-{batch_id}-output"
                 self.files.write(db, output_id, batch["tenant"], f"{batch_id}_output.jsonl",
-                                 "batch_output", good)
+                                 "batch_output", good, batch["output_expires_after"])
             if bad:
                 error_id = f"file-{batch_id}-errors"
                 self.files.write(db, error_id, batch["tenant"], f"{batch_id}_errors.jsonl",
-                                 "batch_output", bad)
+                                 "batch_output", bad, batch["output_expires_after"])
             now = int(time.time())
             stamps = {f"{final_status}_at": now}
             if final_status == "completed":

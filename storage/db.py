@@ -21,7 +21,7 @@ import sqlite_utils
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: batches.output_expires_after
 
 
 class DatabaseBusyError(Exception):
@@ -108,8 +108,10 @@ class Database:
                 "created_at": int, "in_progress_at": int, "expires_at": int,
                 "finalizing_at": int, "completed_at": int, "failed_at": int, "expired_at": int,
                 "cancelling_at": int, "cancelled_at": int,
-                "total": int, "completed": int, "failed": int,
+                "total": int, "completed": int, "failed": int, "output_expires_after": int,
             }, pk="id", if_not_exists=True, defaults={"total": 0, "completed": 0, "failed": 0})
+            if "output_expires_after" not in db["batches"].columns_dict:  # a version 1 home
+                db.execute("alter table batches add column output_expires_after integer")
             # One row per input line. A line's result is written once (state leaves
             # 'pending' in the same transaction that stores it): nothing runs twice into the
             # output, whatever crashes.

@@ -45,9 +45,11 @@ class FileStore:
         return Path(name)
 
     def add(self, tenant: str, filename: str, purpose: str, scratch: Path,
-            idempotency_key: str | None = None) -> dict[str, Any]:
+            idempotency_key: str | None = None, expires_after: int | None = None
+            ) -> dict[str, Any]:
         """Take ownership of `scratch` as a new file; a repeated idempotency key returns the
-        first file (and drops the new bytes)."""
+        first file (and drops the new bytes). `expires_after`: seconds from creation after
+        which the file is gone."""
         with self.db.transaction() as db:
             if idempotency_key:
                 first = idempotent_hit(db, tenant, "files", idempotency_key)
@@ -55,9 +57,8 @@ class FileStore:
                     scratch.unlink(missing_ok=True)
                     return row
             file_id = new_file_id()
-            row = {"id": file_id, "tenant": tenant, "filename": filename, "purpose": purpose,
-                   "bytes": scratch.stat().st_size, "created_at": int(time.time()),
-                   "expires_at": None, "path": file_id}
+            row = _row(file_id, tenant, filename, purpose, scratch.stat().st_size,
+                       expires_after)
             db["files"].insert(row)
             if idempotency_key:
                 remember(db, tenant, "files", idempotency_key, file_id)
@@ -65,7 +66,7 @@ class FileStore:
         return row
 
     def write(self, db, file_id: str, tenant: str, filename: str, purpose: str,
-              lines: Iterable[str]) -> dict[str, Any]:
+              lines: Iterable[str], expires_after: int | None = None) -> dict[str, Any]:
         """Write a generated file atomically under a fixed id (inside the caller's
         transaction): writing it again replaces it, so finalizing twice is harmless."""
         path = self.root / file_id
@@ -76,9 +77,7 @@ class FileStore:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        row = {"id": file_id, "tenant": tenant, "filename": filename, "purpose": purpose,
-               "bytes": path.stat().st_size, "created_at": int(time.time()),
-               "expires_at": None, "path": file_id}
+        row = _row(file_id, tenant, filename, purpose, path.stat().st_size, expires_after)
         db["files"].upsert(row, pk="id")
         return row
 
@@ -92,7 +91,7 @@ class FileStore:
              order: str) -> tuple[list[dict[str, Any]], bool]:
         """Newest first (order='desc') or oldest first; `after` is a cursor (a file id)."""
         db = self.db.db
-        where, params = ["tenant = ?"], [tenant]
+        where, params = ["tenant = ?", LIVE], [tenant, int(time.time())]
         if purpose:
             where.append("purpose = ?")
             params.append(purpose)
@@ -116,9 +115,34 @@ class FileStore:
         (self.root / row["path"]).unlink(missing_ok=True)
         return True
 
+    def sweep_expired(self) -> int:
+        """Delete the files past their expiry (rows, then bytes); returns how many."""
+        with self.db.transaction() as db:
+            rows = list(db.query("select id, path from files where expires_at <= ?",
+                                 [int(time.time())]))
+            for row in rows:
+                db["files"].delete(row["id"])
+        for row in rows:
+            (self.root / row["path"]).unlink(missing_ok=True)
+        return len(rows)
+
+
+# An expired file is gone for clients at once; sweep_expired removes it from disk later.
+LIVE = "(expires_at is null or expires_at > ?)"
+
+
+def _row(file_id: str, tenant: str, filename: str, purpose: str, size: int,
+         expires_after: int | None) -> dict[str, Any]:
+    now = int(time.time())
+    return {"id": file_id, "tenant": tenant, "filename": filename, "purpose": purpose,
+            "bytes": size, "created_at": now,
+            "expires_at": None if expires_after is None else now + expires_after,
+            "path": file_id}
+
 
 def _get(db, tenant: str, file_id: str) -> dict[str, Any] | None:
-    rows = list(db.query("select * from files where id = ? and tenant = ?", [file_id, tenant]))
+    rows = list(db.query(f"select * from files where id = ? and tenant = ? and {LIVE}",
+                         [file_id, tenant, int(time.time())]))
     return rows[0] if rows else None
 
 

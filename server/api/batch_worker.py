@@ -27,6 +27,7 @@ log = logging.getLogger("localserve")
 
 MAX_ERRORS = 100  # validation errors reported per batch
 USAGE_FLUSH_SECONDS = 2.0
+SWEEP_SECONDS = 60.0  # how often expired files are deleted from disk
 
 
 class BatchWorker:
@@ -37,6 +38,7 @@ class BatchWorker:
         self.wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._last_flush = time.monotonic()
+        self._last_sweep = -SWEEP_SECONDS  # sweep at the first tick
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="batch-worker")
@@ -67,6 +69,12 @@ class BatchWorker:
             if time.monotonic() - self._last_flush > USAGE_FLUSH_SECONDS:
                 await self.state.flush_usage()
                 self._last_flush = time.monotonic()
+            if time.monotonic() - self._last_sweep > SWEEP_SECONDS:
+                try:
+                    await self.state.db.run(self.state.files.sweep_expired)
+                except Exception:  # noqa: BLE001 - retried at the next sweep
+                    log.exception("deleting expired files failed")
+                self._last_sweep = time.monotonic()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.wake.wait(), timeout=0.5)
             self.wake.clear()

@@ -9,7 +9,7 @@ from starlette.responses import JSONResponse, Response
 
 from server.api.body import read_json
 from server.api.errors import APIError, invalid, unsupported
-from server.api.files import int_param, owned_row, page
+from server.api.files import expires_after, int_param, owned_row, page
 from server.api.protocol import Fields
 from server.api.serving import ServerState, tenant
 from storage.batches import batch_object
@@ -25,7 +25,7 @@ async def create_batch(request: Request) -> Response:
     endpoint = f.str("endpoint", required=True)
     window = f.str("completion_window", required=True)
     metadata = _metadata(f.raw("metadata"))
-    f.refuse("output_expires_after", what="output files do not expire")
+    output_expires = expires_after(f.raw("output_expires_after"), "output_expires_after")
     f.check_unknown()
     if endpoint in OPENAI_ONLY_ENDPOINTS:
         raise unsupported("endpoint", f"{endpoint} is not served")
@@ -45,7 +45,7 @@ async def create_batch(request: Request) -> Response:
     row = await state.db.run(
         state.batches.create, owner,
         {"input_file_id": input_file_id, "endpoint": endpoint, "completion_window": window,
-         "metadata": metadata},
+         "metadata": metadata, "output_expires_after": output_expires},
         state.settings.batch_window_seconds, request.headers.get("idempotency-key"))
     state.wake_batches()
     return JSONResponse(await _object(state, row))

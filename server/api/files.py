@@ -14,6 +14,7 @@ from server.api.serving import ServerState, tenant
 from storage.files import file_object
 
 PURPOSES = ("batch",)
+EXPIRY_SECONDS = (3600, 2592000)  # OpenAI's range for expires_after.seconds: 1 hour to 30 days
 
 
 def not_found(kind: str, object_id: str) -> APIError:
@@ -44,6 +45,9 @@ async def upload_file(request: Request) -> Response:
                           f"{', '.join(map(repr, PURPOSES))}.")
         if not isinstance(upload, UploadFile):
             raise invalid("file", "Missing required parameter: 'file' (a file part).")
+        expiry = {key[len("expires_after["):-1]: value for key, value in form.items()
+                  if key.startswith("expires_after[") and key.endswith("]")}
+        expires = expires_after(expiry or form.get("expires_after"), "expires_after")
         scratch = state.files.scratch()
         try:
             size = await asyncio.to_thread(_copy, upload, scratch, limit)
@@ -52,13 +56,38 @@ async def upload_file(request: Request) -> Response:
                                param="file", code="file_too_large")
             row = await state.db.run(state.files.add, tenant(request),
                                      upload.filename or "upload.jsonl", purpose, scratch,
-                                     request.headers.get("idempotency-key"))
+                                     request.headers.get("idempotency-key"), expires)
         except BaseException:
             scratch.unlink(missing_ok=True)
             raise
     finally:
         await form.close()
     return JSONResponse(file_object(row))
+
+
+def expires_after(value: Any, param: str) -> int | None:
+    """OpenAI's expiration policy {anchor: "created_at", seconds: 3600..2592000} -> seconds.
+    In a multipart form the fields arrive as strings (`expires_after[seconds]`)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise invalid(param, f"Invalid type for '{param}': expected an object with 'anchor' "
+                      "and 'seconds'.")
+    unknown = set(value) - {"anchor", "seconds"}
+    if unknown:
+        raise invalid(f"{param}.{sorted(unknown)[0]}", f"Unrecognized field "
+                      f"'{param}.{sorted(unknown)[0]}': use 'anchor' and 'seconds'.")
+    if value.get("anchor") != "created_at":
+        raise invalid(f"{param}.anchor", f"Invalid '{param}.anchor': only 'created_at' is "
+                      "supported.")
+    seconds = value.get("seconds")
+    if isinstance(seconds, str) and seconds.strip().isdigit():
+        seconds = int(seconds)
+    lo, hi = EXPIRY_SECONDS
+    if isinstance(seconds, bool) or not isinstance(seconds, int) or not lo <= seconds <= hi:
+        raise invalid(f"{param}.seconds", f"Invalid '{param}.seconds': an integer from {lo} "
+                      f"(1 hour) to {hi} (30 days), got {seconds!r}.")
+    return seconds
 
 
 def _copy(upload: UploadFile, scratch, limit: int) -> int:

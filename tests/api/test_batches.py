@@ -135,6 +135,38 @@ def test_bad_create_requests(client):
     assert e.value.body["param"] == "purpose"
 
 
+def test_expiration_policies_for_uploads_and_outputs(client):
+    policy = {"anchor": "created_at", "seconds": 3600}
+    f = client.files.create(file=("input.jsonl", jsonl([chat_line(0)])), purpose="batch",
+                            expires_after=policy)
+    assert f.expires_at == f.created_at + 3600
+    assert client.files.retrieve(f.id).expires_at == f.expires_at
+    b = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                              completion_window="24h",
+                              output_expires_after={"anchor": "created_at", "seconds": 7200})
+    b = wait(client, b.id)
+    assert b.status == "completed"
+    out = client.files.retrieve(b.output_file_id)
+    assert out.expires_at == out.created_at + 7200
+    assert client.files.retrieve(submit(client, [chat_line(1)]).input_file_id).expires_at is None
+    for bad, param in (({"anchor": "created_at", "seconds": 60}, "seconds"),
+                       ({"anchor": "last_active_at", "seconds": 3600}, "anchor"),
+                       ({"anchor": "created_at", "seconds": 2592001}, "seconds"),
+                       ({"anchor": "created_at", "seconds": "soon"}, "seconds")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.files.create(file=("input.jsonl", jsonl([chat_line(0)])), purpose="batch",
+                                expires_after=bad)
+        assert e.value.body["param"] == f"expires_after.{param}"
+        with pytest.raises(openai.BadRequestError) as e:
+            client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h", output_expires_after=bad)
+        assert e.value.body["param"] == f"output_expires_after.{param}"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                              completion_window="24h", output_expires_after=3600)
+    assert e.value.body["param"] == "output_expires_after"
+
+
 def test_cancel_keeps_finished_lines_and_reports_the_rest(client):
     lines = [chat_line(i, max_tokens=3000) for i in range(80)]  # > one engine batch of 64
     b = submit(client, lines)

@@ -55,3 +55,40 @@ def test_one_database_user_at_a_time(tmp_path):
     finally:
         db.close()
     Database(tmp_path / "localserve.db").close()  # free again once closed
+
+
+def test_expired_files_are_gone_then_swept(store):
+    keep = upload(store, "alice", b"keep\n")
+    scratch = store.scratch()
+    scratch.write_bytes(b"short-lived\n")
+    old = store.db.call(store.add, "alice", "old.jsonl", "batch", scratch, None, 3600)
+    assert old["expires_at"] == old["created_at"] + 3600
+    assert store.db.call(store.sweep_expired) == 0  # not yet expired: kept
+    assert store.db.call(store.get, "alice", old["id"])["id"] == old["id"]
+
+    def backdate():  # as if the hour had passed
+        store.db.db.execute("update files set expires_at = expires_at - 3601 where id = ?",
+                            [old["id"]])
+    store.db.call(backdate)
+    assert store.db.call(store.get, "alice", old["id"]) is None  # gone for clients at once
+    listed, _ = store.db.call(store.list, "alice", None, None, 100, "desc")
+    assert [r["id"] for r in listed] == [keep["id"]]
+    assert store.path(old).exists()  # the bytes stay until the sweep
+    assert store.db.call(store.sweep_expired) == 1
+    assert not store.path(old).exists() and store.path(keep).exists()
+    assert store.db.call(store.get, "alice", keep["id"]) is not None
+
+
+def test_a_version_1_database_gains_the_expiry_column(tmp_path):
+    db = Database(tmp_path / "localserve.db")
+
+    def downgrade():
+        db.db.execute("alter table batches drop column output_expires_after")
+        db.db.execute("pragma user_version=1")
+    db.call(downgrade)
+    db.close()
+    db = Database(tmp_path / "localserve.db")
+    try:
+        assert "output_expires_after" in db.call(lambda: db.db["batches"].columns_dict)
+    finally:
+        db.close()
