@@ -263,8 +263,9 @@ def tied_llama_folder(tmp_path_factory):
     return hf, save_hf_folder(hf, tmp_path_factory.mktemp("hf") / "Tied-Llama")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bits", [4, 8, 16])
-def test_loaded_model_does_not_keep_the_file_mapped(home, tied_llama_folder, bits):
+def test_loaded_model_does_not_keep_the_file_mapped(home, tied_llama_folder, bits, dtype):
     """Tensors kept as loaded are copied out of the mapped safetensors file, so the mapping (and
     the file pages of every converted tensor with it) is gone once loading returns; the tied
     head still shares the embedding's tensor. The model still computes the reference logits."""
@@ -274,7 +275,7 @@ def test_loaded_model_does_not_keep_the_file_mapped(home, tied_llama_folder, bit
     assert hf.config.tie_word_embeddings
     assert main(["pull", str(folder), "--bits", str(bits)]) == 0
     stored = ModelStore().list()[0]
-    m = load_model(stored, torch.device("cpu"), torch.float32)
+    m = load_model(stored, torch.device("cpu"), dtype)
     gc.collect()
     with open("/proc/self/maps") as f:
         assert str(stored.path / "model.safetensors") not in f.read()
