@@ -3,7 +3,7 @@ prompt arrives.
 
     python benchmarks/chunked_prefill_itl.py [--model smollm2-135m:int4] [--streams 16]
 
-For each --max-itl-stretch setting (default: 2.0, the server's default, and 0: no pacing, prompt
+For each --max-itl-stretch setting (default: 1.5, the server's default, and 0: no pacing, prompt
 chunks bounded by --max-num-batched-tokens only), starts `localserve serve` on a copy of
 $LOCALSERVE_HOME's models, opens --streams streamed chats with long outputs, measures their
 inter-token latency for --window seconds, then sends one --prompt-tokens prompt and measures
@@ -76,7 +76,7 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=16)
     ap.add_argument("--window", type=float, default=5.0)
     ap.add_argument("--prompt-tokens", type=int, default=2000)
-    ap.add_argument("--stretch", nargs="+", default=["2.0", "0"])
+    ap.add_argument("--stretch", nargs="+", default=["1.5", "0"])
     args = ap.parse_args()
     rows = []
     for stretch in args.stretch:

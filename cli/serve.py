@@ -40,10 +40,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="storage of the KV pool (default: the compute dtype). bf16 under fp32 "
                         "compute holds twice the tokens per MB, same bits per byte measured, "
                         "but it flips near-tie answers (smollm2-135m's Paris)")
-    p.add_argument("--max-itl-stretch", type=float, default=2.0,
+    p.add_argument("--max-itl-stretch", type=float, default=1.5,
                    help="a step that decodes may take at most this multiple of a decode-only "
                         "step because of chunks of long prompts (over 256 tokens) (default "
-                        "2.0; 0: no pacing, chunks bounded by --max-num-batched-tokens only)")
+                        "1.5; 0: no pacing, chunks bounded by --max-num-batched-tokens only)")
     p.add_argument("--max-pending", type=int, default=256,
                    help="requests in progress before new ones get 429 (default 256)")
     p.add_argument("--max-body-mb", type=int, default=16, help="JSON body limit (default 16)")

@@ -45,7 +45,7 @@ class EngineConfig:
     # Chunked prefill for inter-token latency: a step that also decodes may take at most this
     # multiple of a decode-only step because of the chunks of long prompts in it (measured
     # costs, see PrefillPacer). None: chunks are bounded by max_num_batched_tokens only.
-    max_itl_stretch: float | None = 2.0
+    max_itl_stretch: float | None = 1.5
     long_prompt_tokens: int = 256  # only prompts longer than this are paced
 
 
