@@ -41,7 +41,7 @@ def bits_per_byte(model, tokenizer, text: str, context: int = 1024) -> float:
 
     from server.models.simple import prompt_logits
 
-    ids = tokenizer(text, add_special_tokens=False).input_ids
+    ids = tokenizer.encode(text, add_special_tokens=False)
     if len(ids) < 2:
         raise ValueError("text too short to evaluate")
     stride = max(1, context // 2)

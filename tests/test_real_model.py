@@ -80,3 +80,18 @@ def test_engine_greedy_equals_transformers_on_bf16(pulled):
             ref = hf.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False,
                               eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
         assert s.output_token_ids == ref
+
+
+def test_tokenizer_equals_transformers(pulled):
+    """The server's tokenizer (no transformers) gives smollm2-135m's chat text, ids and decoded
+    text exactly as transformers' AutoTokenizer does."""
+    from transformers import AutoTokenizer
+
+    from server.models.tokenizer import Tokenizer, load_tokenizer
+    from tests.models.test_tokenizer import assert_same
+
+    stored = pulled.resolve("smollm2-135m:int4")
+    ours = load_tokenizer(stored)
+    assert isinstance(ours, Tokenizer)
+    theirs = AutoTokenizer.from_pretrained(str(stored.path), local_files_only=True)
+    assert_same(ours, theirs)

@@ -54,7 +54,7 @@ async def _start(state: ServerState, req: CompletionRequest, salt: str, priority
 
 
 def _tokenize(tokenizer: Any, prompts: list[str | list[int]]) -> list[list[int]]:
-    return [p if isinstance(p, list) else tokenizer(p).input_ids for p in prompts]
+    return [p if isinstance(p, list) else tokenizer.encode(p) for p in prompts]
 
 
 def _echo_text(tokenizer: Any, prompt: str | list[int]) -> str:
