@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -33,7 +35,7 @@ def build_model(
     use_kernels: bool = True,
 ) -> nn.Module:
     """Instantiate without allocating, swap quantized modules, then assign the tensors."""
-    with torch.device("meta"):
+    with torch.device("meta"), _without_random_init():
         model = model_class(config.architecture)(config)
     apply_quantization(model, schemes)
     tied = config.tie_word_embeddings
@@ -58,6 +60,22 @@ def build_model(
             module.fuse()
     prepare_quantized(model, use_kernels)
     return model.eval().requires_grad_(False)
+
+
+@contextlib.contextmanager
+def _without_random_init() -> Iterator[None]:
+    """Module constructors skip their random init: meta tensors have nothing to fill, and
+    `normal_` on a meta tensor imports torch._dynamo (sympy, mpmath...): 67 MB resident."""
+    names = ("normal_", "uniform_", "kaiming_uniform_", "trunc_normal_", "xavier_uniform_",
+             "zeros_", "ones_")
+    saved = {name: getattr(nn.init, name) for name in names}
+    try:
+        for name in names:
+            setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
 
 
 def cast_floating(model: nn.Module, dtype: torch.dtype) -> None:

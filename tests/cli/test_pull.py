@@ -283,3 +283,22 @@ def test_loaded_model_does_not_keep_the_file_mapped(home, tied_llama_folder, bit
     logits = prompt_logits(m.model, IDS)
     cosine = torch.nn.functional.cosine_similarity(logits, reference_logits(hf), dim=-1)
     assert cosine.min() > (0.9 if bits == 4 else 0.999)
+
+
+def test_loading_imports_neither_transformers_nor_dynamo(home, tied_llama_folder):
+    """What the server loads (model and tokenizer) stays off the heavy imports: transformers
+    (~25 MB resident and a second vocabulary) and torch._dynamo, which a random init on the
+    meta device pulled in (67 MB). Checked in a fresh interpreter."""
+    _, folder = tied_llama_folder
+    assert main(["pull", str(folder), "--bits", "4"]) == 0
+    code = ("import sys, torch\n"
+            "from server.models.loader import load_model\n"
+            "from server.models.tokenizer import load_tokenizer, chat_prompt_ids\n"
+            "from storage.models import ModelStore\n"
+            "stored = ModelStore().list()[0]\n"
+            "load_model(stored, torch.device('cpu'), torch.float32)\n"
+            "chat_prompt_ids(load_tokenizer(stored), [{'role': 'user', 'content': 'hi'}])\n"
+            "print(sorted(m for m in ('transformers', 'torch._dynamo') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "[]", out.stderr
