@@ -68,3 +68,26 @@ async def test_failure_of_a_plain_request_is_a_500_in_openai_shape(app):
     assert r.status_code == 500
     assert r.json()["error"]["type"] == "server_error"
     assert app.state.server.num_pending == 0
+
+
+@pytest.mark.asyncio
+async def test_before_the_model_is_ready_health_and_requests_are_503(tmp_path):
+    settings = ServerSettings(model="fake:bf16", home=tmp_path)
+    state = ServerState(settings)
+    app = create_app(settings, state)
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        r = await client.get("/health")
+        assert (r.status_code, r.json()) == (503, {"status": "loading"})
+        r = await client.post("/v1/chat/completions", json=BODY)
+        assert r.status_code == 503 and r.headers["retry-after"] == "2"
+        assert r.json()["error"]["code"] == "model_not_ready"
+        state.load_error = "model.safetensors: checksum mismatch"
+        r = await client.get("/health")
+        assert r.status_code == 503 and "checksum" in r.json()["error"]
+        r = await client.post("/v1/chat/completions", json=BODY)
+        assert r.status_code == 503 and "checksum" in r.json()["error"]["message"]
+        state.engine, state.tokenizer = FailingEngine(), make_tokenizer()
+        state.served_name = "fake:bf16"
+        r = await client.get("/health")
+        assert (r.status_code, r.json()["status"]) == (200, "ok")

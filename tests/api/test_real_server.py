@@ -27,6 +27,12 @@ def real_server(real_home, tmp_path_factory):
     proc.stop()
 
 
+def test_health_was_503_while_loading(real_server):
+    """The fixture polled /health from the moment the port was open (the tiny test model now
+    loads faster than one poll; the real one takes a second)."""
+    assert real_server.health_seen[0] == 503 and real_server.health_seen[-1] == 200
+
+
 @pytest.fixture(scope="module")
 def client(real_server):
     from openai import OpenAI
