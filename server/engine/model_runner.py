@@ -10,6 +10,7 @@ from server.engine.sampler import Sampler
 from server.engine.scheduler import SchedulerOutput
 from server.models.attention import build_metadata
 from server.models.simple import allocate_kv
+from server.quant.int4 import row_kinds
 
 
 @dataclass(slots=True)
@@ -39,13 +40,18 @@ class ModelRunner:
         seqs, num_new = out.seqs, out.num_new_tokens
         input_ids: list[int] = []
         seq_lens = []
+        prompt_rows: list[int] = []  # rows holding prompt tokens (the int4 layers' path)
         for seq, n in zip(seqs, num_new, strict=True):
             start = seq.num_computed_tokens
+            first = len(input_ids)
             input_ids += seq.token_ids[start:start + n]
             seq_lens.append(start + n)
+            prompt_rows += range(first, first + max(0, min(n, seq.num_prompt_tokens - start)))
         meta = build_metadata(num_new, seq_lens, [s.block_table for s in seqs],
                               self.block_size, self.device, self.dtype)
-        hidden = self.model(torch.tensor(input_ids, device=self.device), self.kv_caches, meta)
+        with row_kinds(prompt_rows, len(input_ids), self.device):
+            hidden = self.model(torch.tensor(input_ids, device=self.device), self.kv_caches,
+                                meta)
         # Logits only for the last token of each sequence that samples this step.
         last = torch.tensor(num_new).cumsum(0) - 1
         rows = last[torch.tensor(out.is_sampling, dtype=torch.bool)]

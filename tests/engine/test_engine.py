@@ -223,3 +223,42 @@ def test_bf16_kv_pool_holds_twice_the_blocks_and_gives_the_same_tokens(llama):
     run(llama, seqs, kv_cache_dtype=torch.bfloat16)
     assert [s.output_token_ids for s in seqs] == [solo(llama, prompt(20 + i, i), 12)
                                                   for i in range(3)]
+
+
+@pytest.fixture(scope="module")
+def llama_int4():
+    from server.quant import quantize_state_dict
+
+    hf = hf_model("llama", seed=9)
+    state, schemes = quantize_state_dict(dict(hf.state_dict()), 4, group_size=32)
+    return build_model(our_config(hf), state, schemes, CPU, torch.bfloat16)
+
+
+def test_int4_prompt_rows_give_the_same_logprobs_however_they_are_computed(llama_int4):
+    """int4 layers send prompt rows through the unpacked bf16 GEMM and generated rows through the
+    packed kernel, whatever shares the step: a prompt computed whole, in chunks of 16 or from the
+    prefix cache gives the same logprobs bit for bit (with a row-count threshold instead, the
+    cached run's tail took the other kernel and real-model greedy text diverged)."""
+    import shutil
+
+    from server.quant.int4 import checked_unpack
+
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler: every row takes the packed kernel")
+    assert checked_unpack() is not None
+
+    def generate(seqs, **config):
+        engine = Engine(llama_int4, EngineConfig(**({"num_blocks": 64} | config)), CPU,
+                        torch.bfloat16)
+        for s in seqs:
+            engine.add(s)
+            while engine.has_unfinished:  # one after the other: the second hits the cache
+                engine.step()
+        return [(s.output_token_ids, s.logprobs) for s in seqs]
+
+    p = prompt(90, 3)
+    params = dict(max_tokens=12, temperature=0.0, logprobs=True)
+    cold = generate([Sequence(p, SamplingParams(**params))], max_num_batched_tokens=512)[0]
+    chunked = generate([Sequence(p, SamplingParams(**params))], max_num_batched_tokens=16)[0]
+    twice = generate([Sequence(p, SamplingParams(**params)), Sequence(p, SamplingParams(**params))])
+    assert chunked == cold and twice[0] == cold and twice[1] == cold

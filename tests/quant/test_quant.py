@@ -107,3 +107,41 @@ def test_int4_kernel_matches_reference(rows):
     got = layer(x)
     assert got.dtype == torch.float32
     assert (got - ref).abs().max() < 0.02 * ref.abs().max()
+
+
+@pytest.mark.parametrize("rows", [64, 200])
+def test_int4_rows_past_the_threshold_run_unpacked_bf16_gemm(rows, tmp_path, monkeypatch):
+    """From UNPACK_MIN_ROWS rows the CPU layer unpacks PyTorch's int4 pack to bf16 with the
+    compiled helper and multiplies in bf16: the same numbers as a bf16 GEMM on the reference
+    dequantization (bf16 scales), close to the packed kernel's."""
+    import shutil
+
+    from server.quant import int4, native
+
+    monkeypatch.setenv("LOCALSERVE_HOME", str(tmp_path))
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler: the packed kernel serves every row count")
+    assert native._load() is not None and int4.checked_unpack() is not None
+    assert rows >= int4.UNPACK_MIN_ROWS
+    torch.manual_seed(0)
+    w = torch.randn(192, 128) * 0.05
+    q, scale, zero = quantize_int4(w, 32)
+    layer = Int4Linear(128, 192, 32, bias=True)
+    layer.weight, layer.weight_scale, layer.weight_zero = pack_int4(q), scale, zero
+    layer.bias = torch.nn.Parameter(torch.randn(192).bfloat16(), requires_grad=False)
+    layer.prepare(use_kernel=True)
+    x = torch.randn(rows, 128).bfloat16()
+    w_bf16 = dequantize_int4(q, scale.bfloat16(), zero.bfloat16(), 32).bfloat16()
+    got = layer(x)
+    torch.testing.assert_close(got, torch.mm(x, w_bf16.t().contiguous()) + layer.bias, rtol=0,
+                               atol=0)
+    packed = torch.ops.aten._weight_int4pack_mm_for_cpu(
+        x, layer.kernel_weight, 32, layer.scales_and_zeros) + layer.bias
+    assert (got.float() - packed.float()).abs().max() < 0.02 * packed.float().abs().max()
+
+
+def test_native_helper_can_be_turned_off(monkeypatch):
+    from server.quant import native
+
+    monkeypatch.setenv("LOCALSERVE_NO_NATIVE", "1")
+    assert native._load() is None

@@ -1,0 +1,53 @@
+/* int4 -> bf16 dequantization of PyTorch's CPU int4 pack (the layout that
+ * `_convert_weight_to_int4pack_for_cpu(q, 2)` writes and `_weight_int4pack_mm_for_cpu` reads).
+ *
+ * The packed tensor is [N, K/2] uint8, read as [N/64][K][32] bytes: byte j of (block b, column k)
+ * holds q[64b + j, k] in its low nibble and q[64b + 32 + j, k] in its high nibble. Scales and
+ * zeros are bf16 [K/G][N][2]; w = (q - 8) * scale + zero, computed in fp32 and rounded to bf16
+ * (nearest even), as the reference dequantization does.
+ *
+ * The output is the transposed weight, bf16 [K][N], so that x @ out is the layer: every write
+ * is a run of 32 contiguous values. Rows [k0, k1) only, so callers can split the work.
+ */
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf16_to_float(uint16_t v) {
+    uint32_t u = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    u += 0x7FFFu + ((u >> 16) & 1u);  /* round to nearest even (finite values only) */
+    return (uint16_t)(u >> 16);
+}
+
+int int4pack_to_bf16_t(const uint8_t *packed, const uint16_t *scales_zeros, uint16_t *out,
+                       int64_t n, int64_t k, int64_t group, int64_t k0, int64_t k1) {
+    if (n % 64 || k % group || k0 < 0 || k1 > k || k0 > k1) return 1;
+    for (int64_t c = k0; c < k1; c++) {
+        const uint16_t *sz = scales_zeros + (c / group) * n * 2;
+        uint16_t *row = out + c * n;
+        for (int64_t b = 0; b < n / 64; b++) {
+            const uint8_t *src = packed + (b * k + c) * 32;
+            float lo[32], hi[32];
+            for (int j = 0; j < 32; j++) {
+                lo[j] = (float)(src[j] & 0x0F) - 8.0f;
+                hi[j] = (float)(src[j] >> 4) - 8.0f;
+            }
+            for (int j = 0; j < 32; j++) {
+                int64_t i = b * 64 + j;
+                row[i] = float_to_bf16(lo[j] * bf16_to_float(sz[2 * i]) + bf16_to_float(sz[2 * i + 1]));
+            }
+            for (int j = 0; j < 32; j++) {
+                int64_t i = b * 64 + 32 + j;
+                row[i] = float_to_bf16(hi[j] * bf16_to_float(sz[2 * i]) + bf16_to_float(sz[2 * i + 1]));
+            }
+        }
+    }
+    return 0;
+}

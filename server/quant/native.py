@@ -1,0 +1,92 @@
+"""C helpers compiled on first use with the machine's C compiler, called through ctypes.
+
+No torch headers and no build step at install: `int4_unpack.c` is one small file that `cc`
+compiles in a fraction of a second into $LOCALSERVE_HOME/cache/native (keyed by the source, the
+flags and the CPU, since it is built for this CPU). Without a compiler, or if the build fails,
+`int4_unpack()` is None and callers keep PyTorch's kernels: nothing depends on it for results.
+LOCALSERVE_NO_NATIVE=1 turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+log = logging.getLogger("localserve")
+
+SOURCE = Path(__file__).with_name("int4_unpack.c")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC", "-std=c11")
+
+_lock = threading.Lock()
+_loaded: dict[str, Callable[..., int] | None] = {}
+
+
+def int4_unpack() -> Callable[..., int] | None:
+    """int4pack_to_bf16_t(packed, scales_zeros, out, n, k, group, k0, k1) -> 0 on success
+    (pointers as ints), or None when no compiled helper is available."""
+    with _lock:
+        if "int4" not in _loaded:
+            _loaded["int4"] = _load()
+        return _loaded["int4"]
+
+
+def _load() -> Callable[..., int] | None:
+    if os.environ.get("LOCALSERVE_NO_NATIVE"):
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build()))
+    except (OSError, subprocess.SubprocessError) as e:
+        log.info("native int4 helper unavailable (%s); using PyTorch's kernels only", e)
+        return None
+    fn = lib.int4pack_to_bf16_t
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5
+    return fn
+
+
+def _build() -> Path:
+    from storage.models import home_dir
+
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise OSError("no C compiler (cc) on PATH")
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), cc.encode(), " ".join(FLAGS).encode(),
+                 platform.machine().encode(), _cpu_flags().encode()):
+        key.update(part)
+    folder = home_dir() / "cache" / "native"
+    target = folder / f"int4_unpack-{key.hexdigest()[:16]}.so"
+    if target.is_file():
+        return target
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=folder)
+    os.close(fd)
+    try:
+        subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE)], check=True, capture_output=True,
+                       timeout=120)
+        os.replace(tmp, target)  # atomic: a concurrent build just replaces it with the same
+    except subprocess.CalledProcessError as e:
+        raise OSError(f"{cc} failed: {e.stderr.decode(errors='replace')[-300:]}") from None
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    return target
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line
+    except OSError:
+        pass
+    return platform.processor()
