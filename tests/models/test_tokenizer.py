@@ -11,7 +11,8 @@ from tests.helpers import make_tokenizer
 
 CONVERSATIONS = [
     [{"role": "user", "content": "the hen"}],
-    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Xin chào, bạn khỏe không?"},
+    [{"role": "system", "content": "Be brief."},
+     {"role": "user", "content": "Xin chào, bạn khỏe không?"},
      {"role": "assistant", "content": "Tôi khỏe 🎉"}, {"role": "user", "content": "then?"}],
     [{"role": "user", "content": "  spaces  and\nnew lines\t"}],
 ]
