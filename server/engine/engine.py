@@ -69,7 +69,9 @@ class Metrics:
 # (16 int4 streams, a 2,000-token prompt, stretch 1.75): with a floor of 4 the chunks sank to it
 # and the prompt took 69-113 s for no better ITL: a chunk's cost is not only per token, its
 # attention gathers the whole context so far (+22 ms at 16 tokens of context, +130 ms at 3,400).
-MIN_PREFILL_CHUNK = 16
+# 32, not 16, since int4 prompt rows run a bf16 GEMM, memory-bound at a few rows (AVX-512 BF16
+# machine, stretch 1.5): the same ITL (2.09-2.13x against 2.11x), the prompt in 5.0 s, not 9.2.
+MIN_PREFILL_CHUNK = 32
 
 
 class PrefillPacer:
@@ -141,6 +143,9 @@ class Engine:
             self._pace(out, time.perf_counter() - t)
         finished = self.scheduler.update(out, result.token_ids if result else [])
         self._record(out, result, finished)
+        if not self.has_unfinished and self.runner.unpacked.block is not None:
+            self.runner.unpacked.release()  # idle: give back the int4 layers' unpacked copies
+            _release_freed_memory()
         return StepOutput(out, finished)
 
     def _pace(self, out: SchedulerOutput, seconds: float) -> None:

@@ -10,7 +10,7 @@ from server.engine.sampler import Sampler
 from server.engine.scheduler import SchedulerOutput
 from server.models.attention import build_metadata
 from server.models.simple import allocate_kv
-from server.quant.int4 import row_kinds
+from server.quant.int4 import UnpackedWeights, row_kinds
 
 
 @dataclass(slots=True)
@@ -34,6 +34,7 @@ class ModelRunner:
         self.device, self.dtype = device, dtype
         self.kv_caches = allocate_kv(model, num_blocks * block_size, device, kv_dtype or dtype)
         self.sampler = Sampler()
+        self.unpacked = UnpackedWeights(model)  # int4 layers' bf16 copies while prompts run
 
     @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> StepResult:
@@ -49,7 +50,7 @@ class ModelRunner:
             prompt_rows += range(first, first + max(0, min(n, seq.num_prompt_tokens - start)))
         meta = build_metadata(num_new, seq_lens, [s.block_table for s in seqs],
                               self.block_size, self.device, self.dtype)
-        with row_kinds(prompt_rows, len(input_ids), self.device):
+        with row_kinds(prompt_rows, len(input_ids), self.device, self.unpacked):
             hidden = self.model(torch.tensor(input_ids, device=self.device), self.kv_caches,
                                 meta)
         # Logits only for the last token of each sequence that samples this step.

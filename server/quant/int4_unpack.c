@@ -29,6 +29,9 @@ static inline uint16_t float_to_bf16(float f) {
 int int4pack_to_bf16_t(const uint8_t *packed, const uint16_t *scales_zeros, uint16_t *out,
                        int64_t n, int64_t k, int64_t group, int64_t k0, int64_t k1) {
     if (n % 64 || k % group || k0 < 0 || k1 > k || k0 > k1) return 1;
+    /* With -fopenmp this joins the OpenMP runtime PyTorch already loaded (same soname): the
+     * rows are split over torch's threads, no second thread pool. */
+    #pragma omp parallel for schedule(static)
     for (int64_t c = k0; c < k1; c++) {
         const uint16_t *sz = scales_zeros + (c / group) * n * 2;
         uint16_t *row = out + c * n;

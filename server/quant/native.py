@@ -25,6 +25,7 @@ log = logging.getLogger("localserve")
 
 SOURCE = Path(__file__).with_name("int4_unpack.c")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC", "-std=c11")
+OPENMP = "-fopenmp"  # dropped if the compiler cannot: the helper then runs on one thread
 
 _lock = threading.Lock()
 _loaded: dict[str, Callable[..., int] | None] = {}
@@ -60,7 +61,7 @@ def _build() -> Path:
     if cc is None:
         raise OSError("no C compiler (cc) on PATH")
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), cc.encode(), " ".join(FLAGS).encode(),
+    for part in (SOURCE.read_bytes(), cc.encode(), " ".join((*FLAGS, OPENMP)).encode(),
                  platform.machine().encode(), _cpu_flags().encode()):
         key.update(part)
     folder = home_dir() / "cache" / "native"
@@ -71,8 +72,12 @@ def _build() -> Path:
     fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=folder)
     os.close(fd)
     try:
-        subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE)], check=True, capture_output=True,
-                       timeout=120)
+        try:
+            subprocess.run([cc, *FLAGS, OPENMP, "-o", tmp, str(SOURCE)], check=True,
+                           capture_output=True, timeout=120)
+        except subprocess.CalledProcessError:
+            subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE)], check=True,
+                           capture_output=True, timeout=120)
         os.replace(tmp, target)  # atomic: a concurrent build just replaces it with the same
     except subprocess.CalledProcessError as e:
         raise OSError(f"{cc} failed: {e.stderr.decode(errors='replace')[-300:]}") from None

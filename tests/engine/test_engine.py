@@ -189,7 +189,7 @@ def test_paced_engine_keeps_decoding_while_a_long_prompt_arrives(llama):
     the cap is its floor, MIN_PREFILL_CHUNK, whatever the timings.)"""
     engine = Engine(llama, EngineConfig(num_blocks=128, max_num_batched_tokens=256,
                                         max_itl_stretch=1.0), CPU, torch.float32)
-    streams = [Sequence(prompt(5, i), greedy(60)) for i in range(4)]
+    streams = [Sequence(prompt(10, i), greedy(60)) for i in range(4)]
     for s in streams:
         engine.add(s)
     for _ in range(10):
@@ -203,12 +203,12 @@ def test_paced_engine_keeps_decoding_while_a_long_prompt_arrives(llama):
         assert [n for x, n in zip(out.seqs, out.num_new_tokens, strict=True) if x in streams] \
             == [1, 1, 1, 1]
         chunks.append(out.num_new_tokens[-1])
-    assert engine.scheduler.prefill_tokens_with_decodes == MIN_PREFILL_CHUNK == 16
-    assert chunks == [16] * 18 + [12]
+    assert engine.scheduler.prefill_tokens_with_decodes == MIN_PREFILL_CHUNK == 32
+    assert chunks == [32] * 9 + [12]
     while engine.has_unfinished:
         engine.step()
     assert long.output_token_ids == solo(llama, prompt(300, 99), 5)
-    assert [s.output_token_ids for s in streams] == [solo(llama, prompt(5, i), 60)
+    assert [s.output_token_ids for s in streams] == [solo(llama, prompt(10, i), 60)
                                                      for i in range(4)]
 
 
@@ -262,3 +262,28 @@ def test_int4_prompt_rows_give_the_same_logprobs_however_they_are_computed(llama
     chunked = generate([Sequence(p, SamplingParams(**params))], max_num_batched_tokens=16)[0]
     twice = generate([Sequence(p, SamplingParams(**params)), Sequence(p, SamplingParams(**params))])
     assert chunked == cold and twice[0] == cold and twice[1] == cold
+    engine = Engine(llama_int4, EngineConfig(num_blocks=64), CPU, torch.bfloat16)
+    engine.add(Sequence(p, SamplingParams(max_tokens=1, temperature=0.0)))
+    engine.step()  # a prompt step that ends the request: the engine is idle after it
+    assert not engine.has_unfinished and engine.runner.unpacked.block is None
+    # Among others: decoding sequences share the steps of its prompt chunks (mixed steps, the
+    # prompt rows last or in between), and a second prompt arrives meanwhile.
+    engine = Engine(llama_int4, EngineConfig(num_blocks=64, max_num_batched_tokens=40), CPU,
+                    torch.bfloat16)
+    others = [Sequence(prompt(8 + i, 40 + i), SamplingParams(max_tokens=30, temperature=0.0))
+              for i in range(3)]
+    mine = Sequence(p, SamplingParams(**params))
+    late = Sequence(prompt(50, 7), SamplingParams(max_tokens=3, temperature=0.0))
+    for s in others:
+        engine.add(s)
+    engine.step()
+    engine.add(mine)
+    engine.step()
+    engine.add(late)
+    kinds = []
+    while engine.has_unfinished:
+        out = engine.step().scheduled
+        kinds.append(tuple(n > 1 for n in out.num_new_tokens))
+    assert any(any(k) and not all(k) for k in kinds)  # there were mixed steps
+    assert (mine.output_token_ids, mine.logprobs) == cold
+    assert engine.runner.unpacked.block is None  # released once no prompt is left

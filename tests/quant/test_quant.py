@@ -145,3 +145,31 @@ def test_native_helper_can_be_turned_off(monkeypatch):
 
     monkeypatch.setenv("LOCALSERVE_NO_NATIVE", "1")
     assert native._load() is None
+
+
+@pytest.mark.parametrize("prompt_rows", [[0, 1, 2, 3], [5, 6, 7], [2, 3, 6], []])
+def test_int4_rows_take_their_kinds_path_wherever_they_sit(prompt_rows, tmp_path, monkeypatch):
+    """In a step mixing kinds each row gets exactly what it would alone: prompt rows the bf16
+    GEMM, generated rows the packed kernel (prompt rows first, last, scattered, none), with the
+    engine's kept copies or without."""
+    import shutil
+
+    from server.quant import int4
+
+    monkeypatch.setenv("LOCALSERVE_HOME", str(tmp_path))
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler")
+    torch.manual_seed(1)
+    q, scale, zero = quantize_int4(torch.randn(128, 64) * 0.05, 32)
+    layer = Int4Linear(64, 128, 32)
+    layer.weight, layer.weight_scale, layer.weight_zero = pack_int4(q), scale, zero
+    layer.prepare(use_kernel=True)
+    x = torch.randn(8, 64).bfloat16()
+    alone_prompt = torch.mm(x, layer.unpacked_t().clone())
+    alone_generated = layer._packed_mm(x)
+    for unpacked in (None, int4.UnpackedWeights(layer)):
+        with int4.row_kinds(prompt_rows, 8, torch.device("cpu"), unpacked):
+            y = layer(x)
+        for i in range(8):
+            want = alone_prompt[i] if i in prompt_rows else alone_generated[i]
+            assert torch.equal(y[i], want), (unpacked, i)
