@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -28,6 +29,8 @@ from storage.batches import BatchStore, add_usage
 from storage.db import Database
 from storage.files import FileStore
 from storage.models import home_dir
+
+log = logging.getLogger("localserve")
 
 
 @dataclass(slots=True)
@@ -63,6 +66,7 @@ class ServerState:
         self.num_pending = 0  # generation requests admitted and not finished
         self.metrics = ApiMetrics()
         self.usage = UsageMeter()
+        self._usage_writer: asyncio.Task | None = None
         self.created = int(time.time())
         self.vocab_size = 0
         self.max_request_tokens = 0  # prompt + completion tokens one sequence may hold
@@ -77,10 +81,28 @@ class ServerState:
             self.worker.wake.set()
 
     async def flush_usage(self) -> None:
-        """Write the interactive usage counted in memory."""
+        """Write the interactive usage counted in memory (put back if the write fails)."""
         rows = self.usage.take()
         if rows:
-            await self.db.run(_add_usage_rows, self.db, rows)
+            try:
+                await self.db.run(_add_usage_rows, self.db, rows)
+            except BaseException:
+                self.usage.restore(rows)
+                raise
+
+    def usage_added(self) -> None:
+        """A request's usage was counted: write it now, together with whatever else finishes
+        meanwhile (one transaction per round, never more than one round at a time), so a
+        crash loses at most the requests of the round being written."""
+        if self._usage_writer is None or self._usage_writer.done():
+            self._usage_writer = asyncio.get_running_loop().create_task(self._write_usage())
+
+    async def _write_usage(self) -> None:
+        try:
+            while self.usage.pending:
+                await self.flush_usage()
+        except Exception:  # noqa: BLE001 - kept in memory; the batch worker retries every 2 s
+            log.exception("writing usage failed")
 
     def attach(self, engine: AsyncEngine, served_name: str) -> None:
         self.engine, self.tokenizer, self.served_name = engine, engine.tokenizer, served_name
@@ -227,6 +249,7 @@ async def stream_engine(
         if priority == PRIORITY_INTERACTIVE:  # batch lines count when their result is stored
             state.usage.add(salt, "interactive", state.served_name, len(prompt_ids),
                             sum(num_output), num_cached)
+            state.usage_added()
 
 
 async def merged(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:

@@ -53,6 +53,13 @@ class UsageMeter:
         c.update(requests=1, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                  cached_tokens=cached_tokens)
 
+    def restore(self, rows: list[dict[str, Any]]) -> None:
+        """Put back rows that `take` returned and could not be written."""
+        for r in rows:
+            c = self.pending.setdefault((r["day"], r["tenant"], r["kind"], r["model"]), Counter())
+            c.update({k: r[k] for k in ("requests", "prompt_tokens", "completion_tokens",
+                                        "cached_tokens")})
+
     def take(self) -> list[dict[str, Any]]:
         """The pending rows, leaving nothing pending."""
         rows = [{"day": day, "tenant": tenant, "kind": kind, "model": model,

@@ -47,3 +47,30 @@ def test_kill_9_mid_batch_then_restart_completes_each_line_once(tiny_home, tmp_p
         assert raw.endswith("\n") and all(json.loads(x) for x in raw.splitlines())
     finally:
         second.stop()
+
+
+def test_kill_9_right_after_answers_keeps_their_usage(tiny_home, tmp_path):
+    """Interactive usage is written as requests finish (group commit), not every 2 s: a kill -9
+    0.3 s after the last answer loses none of it."""
+    import httpx
+
+    home = home_with_models(tiny_home, tmp_path / "home")
+    first = ServerProcess(home, [MODEL], tmp_path / "first.log").start()
+    try:
+        client = openai.OpenAI(base_url=f"{first.url}/v1", api_key="x", max_retries=0)
+        for i in range(3):
+            client.chat.completions.create(model=MODEL, max_tokens=5, messages=[
+                {"role": "user", "content": f"Question {i}"}])
+        time.sleep(0.3)
+        first.signal(signal.SIGKILL)
+        first.proc.wait(10)
+    finally:
+        first.stop()
+    second = ServerProcess(home, [MODEL], tmp_path / "second.log").start()
+    try:
+        usage = httpx.get(f"{second.url}/v1/usage").json()
+        interactive = [r for r in usage["data"] if r["kind"] == "interactive"]
+        assert sum(r["requests"] for r in interactive) == 3
+        assert sum(r["completion_tokens"] for r in interactive) == 15
+    finally:
+        second.stop()
