@@ -10,7 +10,7 @@ from server.engine.sampler import Sampler
 from server.engine.scheduler import SchedulerOutput
 from server.models.attention import build_metadata
 from server.models.simple import allocate_kv
-from server.quant.int4 import UnpackedWeights, row_kinds
+from server.quant.rows import UnpackedWeights, row_kinds
 
 
 @dataclass(slots=True)

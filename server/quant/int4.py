@@ -8,92 +8,23 @@ the even column in the low nibble, the odd column in the high nibble.
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Iterator
-from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from server.quant import native
+from server.quant.rows import rows_mm
 
 SUPPORTED_GROUP_SIZES = (32, 64, 128, 256)  # what the tinygemm kernels accept
 KERNEL_DTYPE = torch.bfloat16  # tinygemm's activations, scales and zeros
-# Prompt rows on CPU: int4 layers run a bf16 GEMM on their weight unpacked to bf16 (0.15 ms
-# for 3072x576): 2.0 ms instead of 5.5 ms at 512 rows, even at 64 rows. Outside an engine step
-# (no row kinds given) the row count decides, unpacking into a per-thread scratch buffer.
+# Outside an engine step (no row kinds, see rows.py) a CPU int4 layer with this many rows runs
+# the bf16 GEMM on its weight unpacked into a per-thread scratch buffer: 2.0 ms instead of 5.5
+# at 512 rows for a 3072x576 projection (unpacking 0.15 ms), less at 64 rows already.
 UNPACK_MIN_ROWS = 64
-# An engine keeps every layer's unpacked weight while its steps hold prompt rows (unpacking
-# once, not once per step: a long prompt's paced chunks would pay it every step), in one block
-# freed at the first step without prompt rows, if the block is at most this big.
-UNPACKED_MAX_BYTES = 1 << 30
 
 _scratch = threading.local()  # per thread: one bf16 buffer reused by every layer in turn
-_step = threading.local()  # the row kinds of the forward running in this thread
-
-
-class UnpackedWeights:
-    """The bf16 copies of a model's int4 layers, made on demand and dropped together."""
-
-    def __init__(self, model: nn.Module) -> None:
-        layers = [m for m in model.modules() if isinstance(m, Int4Linear)
-                  and m.kernel_weight is not None and m.kernel_weight.device.type == "cpu"]
-        self.offsets: dict[int, int] = {}
-        total = 0
-        for layer in layers:
-            self.offsets[id(layer)] = total
-            total += layer.in_features * layer.out_features
-        self.numel = total if total * 2 <= UNPACKED_MAX_BYTES else 0
-        self.block: torch.Tensor | None = None
-        self.ready: set[int] = set()
-
-    def get(self, layer: Int4Linear) -> torch.Tensor | None:
-        offset = self.offsets.get(id(layer))
-        if offset is None or not self.numel:
-            return layer.unpacked_t()  # scratch
-        if id(layer) not in self.ready:
-            if self.block is None:
-                self.block = torch.empty(self.numel, dtype=KERNEL_DTYPE)
-            n, k = layer.out_features, layer.in_features
-            if layer.unpacked_t(self.block[offset:offset + n * k].view(k, n)) is None:
-                return None
-            self.ready.add(id(layer))
-        n, k = layer.out_features, layer.in_features
-        return self.block[offset:offset + n * k].view(k, n)
-
-    def release(self) -> None:
-        self.block, self.ready = None, set()
-
-
-@contextlib.contextmanager
-def row_kinds(prompt_rows: list[int], num_rows: int, device: torch.device,
-              unpacked: UnpackedWeights | None = None) -> Iterator[None]:
-    """Within an engine step: which rows of the flat batch are prompt tokens. Those always go
-    through the unpacked bf16 GEMM and generated tokens always through the packed kernel,
-    whatever else shares the step. Both are row-invariant, so a token's numbers do not depend
-    on its batch: a prompt computed cold, in chunks or from the prefix cache, a request alone
-    or among others, and a preempted one recomputed all give the same tokens. `unpacked`
-    keeps the layers' bf16 weights from step to step; it is released at a step without
-    prompt rows."""
-    if not prompt_rows:
-        kinds: Any = "generated"
-        if unpacked is not None:
-            unpacked.release()
-    elif len(prompt_rows) == num_rows:
-        kinds = "prompt"
-    elif prompt_rows[0] + len(prompt_rows) == num_rows:  # the usual case: prompts come last
-        kinds = prompt_rows[0]
-    else:
-        prompt = set(prompt_rows)
-        kinds = (torch.tensor(prompt_rows, device=device),
-                 torch.tensor([i for i in range(num_rows) if i not in prompt], device=device))
-    _step.kinds, _step.unpacked = kinds, unpacked
-    try:
-        yield
-    finally:
-        _step.kinds = _step.unpacked = None
 
 
 def quantize_int4(
@@ -204,25 +135,24 @@ class Int4Linear(nn.Module):
             x2, self.kernel_weight, self.group_size, self.scales_and_zeros)
 
     def _cpu_mm(self, x2: torch.Tensor) -> torch.Tensor:
-        kinds = getattr(_step, "kinds", None)
-        if kinds is None:  # outside an engine step
-            kinds = "prompt" if x2.shape[0] >= UNPACK_MIN_ROWS else "generated"
-        if kinds == "generated":
-            return self._packed_mm(x2)
-        unpacked = getattr(_step, "unpacked", None)
-        weight_t = self.unpacked_t() if unpacked is None else unpacked.get(self)
-        if weight_t is None:
-            return self._packed_mm(x2)
-        if kinds == "prompt":
-            return torch.mm(x2, weight_t)
-        y = x2.new_empty(x2.shape[0], self.out_features)
-        if isinstance(kinds, int):  # rows [kinds, end) are the prompt rows
-            y[:kinds] = self._packed_mm(x2[:kinds])
-            torch.mm(x2[kinds:], weight_t, out=y[kinds:])
+        y = rows_mm(self, x2, self._packed_mm)
+        if y is not None:
             return y
-        prompt, generated = kinds
-        y.index_copy_(0, prompt, torch.mm(x2.index_select(0, prompt), weight_t))
-        return y.index_copy_(0, generated, self._packed_mm(x2.index_select(0, generated)))
+        if x2.shape[0] >= UNPACK_MIN_ROWS and (weight_t := self.unpacked_t()) is not None:
+            return torch.mm(x2, weight_t)
+        return self._packed_mm(x2)
+
+    def unpacked_numel(self) -> int:
+        """How many bf16 values unpack_into writes (rows.py); 0 when it cannot."""
+        n, k = self.out_features, self.in_features
+        ok = (self.kernel_weight is not None and self.kernel_weight.device.type == "cpu"
+              and n % 64 == 0 and self.kernel_weight.shape == (n, k // 2)
+              and checked_unpack() is not None)
+        return n * k if ok else 0
+
+    def unpack_into(self, flat: torch.Tensor) -> torch.Tensor | None:
+        n, k = self.out_features, self.in_features
+        return self.unpacked_t(flat[: n * k].view(k, n))
 
     def unpacked_t(self, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """The CPU kernel's weight as bf16 [in, out] in `out`, or else in this thread's scratch

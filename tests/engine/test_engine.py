@@ -225,27 +225,32 @@ def test_bf16_kv_pool_holds_twice_the_blocks_and_gives_the_same_tokens(llama):
                                                   for i in range(3)]
 
 
-@pytest.fixture(scope="module")
-def llama_int4():
+@pytest.fixture(scope="module", params=[4, 8])
+def llama_quantized(request):
     from server.quant import quantize_state_dict
 
     hf = hf_model("llama", seed=9)
-    state, schemes = quantize_state_dict(dict(hf.state_dict()), 4, group_size=32)
+    state, schemes = quantize_state_dict(dict(hf.state_dict()), request.param, group_size=32)
     return build_model(our_config(hf), state, schemes, CPU, torch.bfloat16)
 
 
-def test_int4_prompt_rows_give_the_same_logprobs_however_they_are_computed(llama_int4):
-    """int4 layers send prompt rows through the unpacked bf16 GEMM and generated rows through the
-    packed kernel, whatever shares the step: a prompt computed whole, in chunks of 16 or from the
-    prefix cache gives the same logprobs bit for bit (with a row-count threshold instead, the
-    cached run's tail took the other kernel and real-model greedy text diverged)."""
+def test_prompt_rows_give_the_same_logprobs_however_they_are_computed(llama_quantized):
+    """int4/int8 layers send prompt rows through a bf16 GEMM on the unpacked weight and
+    generated rows through the packed kernel, whatever shares the step: a prompt computed whole,
+    in chunks of 16, from the prefix cache or among decoding sequences gives the same logprobs
+    bit for bit (with a row-count threshold instead, the cached run's tail took the other kernel
+    and real-model greedy text diverged)."""
     import shutil
 
     from server.quant.int4 import checked_unpack
 
-    if shutil.which("cc") is None and shutil.which("gcc") is None:
-        pytest.skip("no C compiler: every row takes the packed kernel")
-    assert checked_unpack() is not None
+    llama_int4 = llama_quantized
+    layers = [m for m in llama_int4.modules() if hasattr(m, "unpacked_numel")]
+    if any(type(m).__name__ == "Int4Linear" for m in layers):
+        if shutil.which("cc") is None and shutil.which("gcc") is None:
+            pytest.skip("no C compiler: every int4 row takes the packed kernel")
+        assert checked_unpack() is not None
+    assert all(m.unpacked_numel() for m in layers if m is not llama_int4.lm_head)
 
     def generate(seqs, **config):
         engine = Engine(llama_int4, EngineConfig(**({"num_blocks": 64} | config)), CPU,

@@ -154,7 +154,7 @@ def test_int4_rows_take_their_kinds_path_wherever_they_sit(prompt_rows, tmp_path
     engine's kept copies or without."""
     import shutil
 
-    from server.quant import int4
+    from server.quant import rows
 
     monkeypatch.setenv("LOCALSERVE_HOME", str(tmp_path))
     if shutil.which("cc") is None and shutil.which("gcc") is None:
@@ -167,9 +167,13 @@ def test_int4_rows_take_their_kinds_path_wherever_they_sit(prompt_rows, tmp_path
     x = torch.randn(8, 64).bfloat16()
     alone_prompt = torch.mm(x, layer.unpacked_t().clone())
     alone_generated = layer._packed_mm(x)
-    for unpacked in (None, int4.UnpackedWeights(layer)):
-        with int4.row_kinds(prompt_rows, 8, torch.device("cpu"), unpacked):
-            y = layer(x)
-        for i in range(8):
-            want = alone_prompt[i] if i in prompt_rows else alone_generated[i]
-            assert torch.equal(y[i], want), (unpacked, i)
+    for cap in (rows.UNPACKED_MAX_BYTES, 0):  # kept between steps, or unpacked each time
+        monkeypatch.setattr(rows, "UNPACKED_MAX_BYTES", cap)
+        unpacked = rows.UnpackedWeights(layer)
+        for _ in range(2):
+            with rows.row_kinds(prompt_rows, 8, torch.device("cpu"), unpacked):
+                y = layer(x)
+            for i in range(8):
+                want = alone_prompt[i] if i in prompt_rows else alone_generated[i]
+                assert torch.equal(y[i], want), (cap, i)
+        assert (unpacked.block is not None) == (cap > 0 and bool(prompt_rows))

@@ -1,0 +1,115 @@
+"""Which kernel a quantized CPU layer uses for which rows of an engine step.
+
+The packed int4/int8 kernels win at a few rows (decode) but stay near 300 GFLOP/s from 16 rows
+on, where a bf16 GEMM reaches 400-700 (benchmarks/kernels.py). So in an engine step, rows
+holding prompt tokens run a bf16 GEMM on the layer's weight unpacked to bf16, and rows of
+generated tokens keep the packed kernel. The split is by what a row holds, never by how many
+rows there are: both kernels give a row the same numbers whatever else is in the batch, so a
+prompt computed whole, in chunks or from the prefix cache, a request alone or batched, and a
+preempted one recomputed all give the same logprobs bit for bit.
+
+A layer takes part by having `unpacked_numel()` (0: it cannot) and `unpack_into(flat)` (its
+weight as bf16 [in, out], possibly a transposed view, written into `flat`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+UNPACKED_DTYPE = torch.bfloat16
+# The engine keeps every layer's unpacked weight while its steps hold prompt rows (unpacking
+# once, not once per step: a long prompt's paced chunks would pay it every step), in one block
+# freed at the first step without prompt rows, if the block is at most this big.
+UNPACKED_MAX_BYTES = 1 << 30
+
+_step = threading.local()  # the row kinds of the forward running in this thread
+
+
+class UnpackedWeights:
+    """The bf16 copies of a model's quantized layers, made on demand and dropped together."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.offsets: dict[int, tuple[int, int]] = {}
+        total = 0
+        for name, m in model.named_modules():
+            if name.split(".")[-1] == "lm_head":  # its rows sample; it keeps its kernel
+                continue
+            numel = m.unpacked_numel() if hasattr(m, "unpacked_numel") else 0
+            if numel:
+                self.offsets[id(m)] = (total, numel)
+                total += numel
+        self.numel = total if total * 2 <= UNPACKED_MAX_BYTES else 0
+        self.block: torch.Tensor | None = None
+        self.views: dict[int, torch.Tensor] = {}
+
+    def get(self, layer: nn.Module) -> torch.Tensor | None:
+        """The layer's bf16 [in, out] weight, unpacked at its first use since the last release;
+        None when the layer cannot (it then keeps its packed kernel for every row)."""
+        view = self.views.get(id(layer))
+        if view is not None:
+            return view
+        place = self.offsets.get(id(layer))
+        if place is None:
+            return None
+        if not self.numel:  # too big to keep: a fresh buffer each time
+            view = layer.unpack_into(torch.empty(place[1], dtype=UNPACKED_DTYPE))
+            return view
+        if self.block is None:
+            self.block = torch.empty(self.numel, dtype=UNPACKED_DTYPE)
+        view = layer.unpack_into(self.block[place[0]:place[0] + place[1]])
+        if view is not None:
+            self.views[id(layer)] = view
+        return view
+
+    def release(self) -> None:
+        self.block, self.views = None, {}
+
+
+@contextlib.contextmanager
+def row_kinds(prompt_rows: list[int], num_rows: int, device: torch.device,
+              unpacked: UnpackedWeights) -> Iterator[None]:
+    """Within an engine step: rows `prompt_rows` of the flat batch hold prompt tokens. A step
+    without any releases the unpacked weights."""
+    if not prompt_rows:
+        kinds: Any = "generated"
+        unpacked.release()
+    elif len(prompt_rows) == num_rows:
+        kinds = "prompt"
+    elif prompt_rows[0] + len(prompt_rows) == num_rows:  # the usual case: prompts come last
+        kinds = prompt_rows[0]
+    else:
+        prompt = set(prompt_rows)
+        kinds = (torch.tensor(prompt_rows, device=device),
+                 torch.tensor([i for i in range(num_rows) if i not in prompt], device=device))
+    _step.kinds, _step.unpacked = kinds, unpacked
+    try:
+        yield
+    finally:
+        _step.kinds = _step.unpacked = None
+
+
+def rows_mm(layer: nn.Module, x2: torch.Tensor,
+            packed_mm: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
+    """x2 @ weight for an engine step's rows, each through its kind's kernel; None outside an
+    engine step (the caller decides)."""
+    kinds = getattr(_step, "kinds", None)
+    if kinds is None:
+        return None
+    if kinds == "generated" or (weight_t := _step.unpacked.get(layer)) is None:
+        return packed_mm(x2)
+    if kinds == "prompt":
+        return torch.mm(x2, weight_t)
+    y = x2.new_empty(x2.shape[0], weight_t.shape[1])
+    if isinstance(kinds, int):  # rows [kinds, end) are the prompt rows
+        y[:kinds] = packed_mm(x2[:kinds])
+        torch.mm(x2[kinds:], weight_t, out=y[kinds:])
+        return y
+    prompt, generated = kinds
+    y.index_copy_(0, prompt, torch.mm(x2.index_select(0, prompt), weight_t))
+    return y.index_copy_(0, generated, packed_mm(x2.index_select(0, generated)))
