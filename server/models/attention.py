@@ -27,9 +27,15 @@ class AttentionGroup:
     dest: torch.Tensor  # [num_valid] step-token index each real query's output goes to
     whole_step: bool  # the group is every token of the step, in order, unpadded
     flat_slots: torch.Tensor | None = None  # context_slots as [B * max_ctx] indices >= 0
+    fp32: bool = False  # attend in fp32 (short-context decodes under a 16-bit compute dtype)
 
 
 NULL_SLOT = -1  # the KV caches' extra last slot: zeros, read by padding, never written
+# Decoding sequences with at most this many tokens of context attend in fp32 under a bf16
+# compute dtype: bf16 bmm has a floor of ~35 us per call (oneDNN) that fp32 does not; beyond
+# it fp32 is slower. Measured (engine, int4, AVX-512 BF16): see the README. The rule looks at
+# the sequence's own context only, so its numbers never depend on what else is in the batch.
+FP32_DECODE_MAX_CONTEXT = 256
 
 
 @dataclass(slots=True)
@@ -66,10 +72,15 @@ def build_metadata(
 
     decode = [i for i, q in enumerate(query_lens) if q == 1]
     prefill = [[i] for i, q in enumerate(query_lens) if q > 1]
+    split = dtype in (torch.bfloat16, torch.float16)
+    short = [i for i in decode if split and seq_lens[i] <= FP32_DECODE_MAX_CONTEXT]
+    long = [i for i in decode if not split or seq_lens[i] > FP32_DECODE_MAX_CONTEXT]
     groups = [
         _build_group(idx, q_lens, s_lens, starts, tables, block_size, dtype, device)
-        for idx in ([decode] if decode else []) + prefill
+        for idx in [g for g in (short, long) if g] + prefill
     ]
+    if short:
+        groups[0].fp32 = True
     if len(groups) == 1 and groups[0].valid.numel() == num_tokens:
         groups[0].whole_step = True
     return AttentionMetadata(
@@ -138,16 +149,19 @@ def paged_attention(
         # [B, max_q, Hkv, G, D] -> [Hkv, B, G, max_q, D] -> [Hkv * B, G * max_q, D]
         qg = qg.view(b, max_q, num_kv_heads, group_size, head_dim).permute(2, 0, 3, 1, 4)
         qg = (qg * scale).reshape(num_kv_heads * b, rows, head_dim)
+        adt = torch.float32 if g.fp32 else q.dtype
+        qg = qg.to(adt)
         if g.flat_slots is None:  # once per step: index_select takes no negative index
             g.flat_slots = g.context_slots.view(-1).remainder(k_cache.shape[1])
         slots, ctx = g.flat_slots, g.context_slots.shape[1]
         # A pool stored in another dtype (bf16 under fp32 compute) converts after the gather.
-        k = k_cache.index_select(1, slots).view(num_kv_heads * b, ctx, head_dim).to(q.dtype)
-        v = v_cache.index_select(1, slots).view(num_kv_heads * b, ctx, head_dim).to(q.dtype)
+        k = k_cache.index_select(1, slots).view(num_kv_heads * b, ctx, head_dim).to(adt)
+        v = v_cache.index_select(1, slots).view(num_kv_heads * b, ctx, head_dim).to(adt)
         scores = torch.bmm(qg, k.transpose(1, 2))  # [Hkv * B, G * max_q, C]
         scores.view(num_kv_heads, b, group_size, max_q, ctx).add_(g.mask)
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        o = torch.bmm(probs, v).view(num_kv_heads, b, group_size, max_q, head_dim)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(adt)
+        o = torch.bmm(probs, v).to(q.dtype)
+        o = o.view(num_kv_heads, b, group_size, max_q, head_dim)
         o = o.permute(1, 3, 0, 2, 4).reshape(b * max_q, num_heads * head_dim)
         if g.whole_step:
             return o
