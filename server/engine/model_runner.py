@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from server.engine.sampler import Sampler
+from server.engine.sampler import Sampler, chosen_first
 from server.engine.scheduler import SchedulerOutput
 from server.models.attention import build_metadata
 from server.models.simple import allocate_kv
@@ -69,5 +69,5 @@ class ModelRunner:
         tops = None
         if result.top_ids is not None:
             ids, lps = result.top_ids.tolist(), result.top_logprobs.tolist()
-            tops = [list(zip(i, lp, strict=True)) for i, lp in zip(ids, lps, strict=True)]
+            tops = [chosen_first(i, lp, t) for i, lp, t in zip(ids, lps, token_ids, strict=True)]
         return StepResult(token_ids, logprobs, tops)

@@ -105,3 +105,9 @@ class Sampler:
             floor = probs.amax(dim=-1, keepdim=True) * torch.tensor(min_p)[:, None]
             logits = logits.masked_fill(probs < floor, float("-inf"))
         return logits
+
+
+def chosen_first(ids: list[int], logprobs: list[float], chosen: int) -> list[tuple[int, float]]:
+    """Top (id, logprob) pairs, most likely first; topk orders equal logprobs arbitrarily, so
+    among equals the chosen token comes first (a greedy token is then always the first entry)."""
+    return sorted(zip(ids, logprobs, strict=True), key=lambda e: (-e[1], e[0] != chosen))

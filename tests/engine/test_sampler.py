@@ -64,3 +64,11 @@ def test_logprobs_are_the_models():
     expected = torch.log_softmax(LOGITS, -1)
     assert result.top_ids.tolist() == [[1, 2]]
     torch.testing.assert_close(result.logprobs, expected[:, 1])
+
+
+def test_top_logprobs_list_the_chosen_token_first_among_equals():
+    from server.engine.sampler import chosen_first
+
+    assert chosen_first([7, 3, 9], [-1.0, -2.0, -2.0], 9) == [(7, -1.0), (9, -2.0), (3, -2.0)]
+    assert chosen_first([7, 3], [-2.0, -2.0], 3) == [(3, -2.0), (7, -2.0)]
+    assert chosen_first([7, 3], [-1.0, -2.0], 3) == [(7, -1.0), (3, -2.0)]  # not tied: kept
