@@ -8,14 +8,12 @@ the even column in the low nibble, the odd column in the high nibble.
 
 from __future__ import annotations
 
-import threading
-
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from server.quant import native
-from server.quant.rows import rows_mm
+from server.quant.rows import rows_mm, scratch
 
 SUPPORTED_GROUP_SIZES = (32, 64, 128, 256)  # what the tinygemm kernels accept
 KERNEL_DTYPE = torch.bfloat16  # tinygemm's activations, scales and zeros
@@ -23,8 +21,6 @@ KERNEL_DTYPE = torch.bfloat16  # tinygemm's activations, scales and zeros
 # the bf16 GEMM on its weight unpacked into a per-thread scratch buffer: 2.0 ms instead of 5.5
 # at 512 rows for a 3072x576 projection (unpacking 0.15 ms), less at 64 rows already.
 UNPACK_MIN_ROWS = 64
-
-_scratch = threading.local()  # per thread: one bf16 buffer reused by every layer in turn
 
 
 def quantize_int4(
@@ -163,10 +159,7 @@ class Int4Linear(nn.Module):
         if unpack is None or n % 64 or self.kernel_weight.shape != (n, k // 2):
             return None
         if out is None:
-            buf = getattr(_scratch, "buf", None)
-            if buf is None or buf.numel() < n * k:
-                buf = _scratch.buf = torch.empty(n * k, dtype=KERNEL_DTYPE)
-            out = buf[: n * k].view(k, n)
+            out = scratch(n * k).view(k, n)
         if unpack(self.kernel_weight.data_ptr(), self.scales_and_zeros.data_ptr(),
                   out.data_ptr(), n, k, self.group_size, 0, k):
             return None

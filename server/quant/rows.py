@@ -23,12 +23,22 @@ import torch
 from torch import nn
 
 UNPACKED_DTYPE = torch.bfloat16
-# The engine keeps every layer's unpacked weight while its steps hold prompt rows (unpacking
-# once, not once per step: a long prompt's paced chunks would pay it every step), in one block
-# freed at the first step without prompt rows, if the block is at most this big.
+# While a prompt spans several steps (a long prompt's paced chunks), the engine keeps every
+# layer's unpacked weight in one block, freed at the first step without prompt rows, if the
+# block is at most this big; a prompt done in one step unpacks layer by layer into a small
+# reused scratch buffer instead (a fresh 214 MB block costs ~35 ms of page faults).
 UNPACKED_MAX_BYTES = 1 << 30
 
 _step = threading.local()  # the row kinds of the forward running in this thread
+_scratch = threading.local()  # per thread: one bf16 buffer reused by every layer in turn
+
+
+def scratch(numel: int) -> torch.Tensor:
+    """This thread's scratch buffer of at least `numel` bf16 values (valid until next use)."""
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.numel() < numel:
+        buf = _scratch.buf = torch.empty(numel, dtype=UNPACKED_DTYPE)
+    return buf[:numel]
 
 
 class UnpackedWeights:
@@ -48,18 +58,19 @@ class UnpackedWeights:
         self.block: torch.Tensor | None = None
         self.views: dict[int, torch.Tensor] = {}
 
-    def get(self, layer: nn.Module) -> torch.Tensor | None:
-        """The layer's bf16 [in, out] weight, unpacked at its first use since the last release;
-        None when the layer cannot (it then keeps its packed kernel for every row)."""
+    def get(self, layer: nn.Module, keep: bool) -> torch.Tensor | None:
+        """The layer's bf16 [in, out] weight; None when the layer cannot (it then keeps its
+        packed kernel for every row). `keep`: prompt work goes on after this step, so unpack
+        into the kept block (once until the next release) rather than the scratch buffer. Both
+        hold the same values: where they live never changes a result."""
         view = self.views.get(id(layer))
         if view is not None:
             return view
         place = self.offsets.get(id(layer))
         if place is None:
             return None
-        if not self.numel:  # too big to keep: a fresh buffer each time
-            view = layer.unpack_into(torch.empty(place[1], dtype=UNPACKED_DTYPE))
-            return view
+        if not keep or not self.numel:
+            return layer.unpack_into(scratch(place[1]))
         if self.block is None:
             self.block = torch.empty(self.numel, dtype=UNPACKED_DTYPE)
         view = layer.unpack_into(self.block[place[0]:place[0] + place[1]])
@@ -73,9 +84,10 @@ class UnpackedWeights:
 
 @contextlib.contextmanager
 def row_kinds(prompt_rows: list[int], num_rows: int, device: torch.device,
-              unpacked: UnpackedWeights) -> Iterator[None]:
-    """Within an engine step: rows `prompt_rows` of the flat batch hold prompt tokens. A step
-    without any releases the unpacked weights."""
+              unpacked: UnpackedWeights, prompts_continue: bool = False) -> Iterator[None]:
+    """Within an engine step: rows `prompt_rows` of the flat batch hold prompt tokens;
+    `prompts_continue`: some prompt still has tokens left for later steps. A step without
+    prompt rows releases the kept unpacked weights."""
     if not prompt_rows:
         kinds: Any = "generated"
         unpacked.release()
@@ -87,7 +99,7 @@ def row_kinds(prompt_rows: list[int], num_rows: int, device: torch.device,
         prompt = set(prompt_rows)
         kinds = (torch.tensor(prompt_rows, device=device),
                  torch.tensor([i for i in range(num_rows) if i not in prompt], device=device))
-    _step.kinds, _step.unpacked = kinds, unpacked
+    _step.kinds, _step.unpacked, _step.keep = kinds, unpacked, prompts_continue
     try:
         yield
     finally:
@@ -101,7 +113,7 @@ def rows_mm(layer: nn.Module, x2: torch.Tensor,
     kinds = getattr(_step, "kinds", None)
     if kinds is None:
         return None
-    if kinds == "generated" or (weight_t := _step.unpacked.get(layer)) is None:
+    if kinds == "generated" or (weight_t := _step.unpacked.get(layer, _step.keep)) is None:
         return packed_mm(x2)
     if kinds == "prompt":
         return torch.mm(x2, weight_t)

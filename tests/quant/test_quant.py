@@ -167,13 +167,14 @@ def test_int4_rows_take_their_kinds_path_wherever_they_sit(prompt_rows, tmp_path
     x = torch.randn(8, 64).bfloat16()
     alone_prompt = torch.mm(x, layer.unpacked_t().clone())
     alone_generated = layer._packed_mm(x)
-    for cap in (rows.UNPACKED_MAX_BYTES, 0):  # kept between steps, or unpacked each time
+    for cap, keep in ((rows.UNPACKED_MAX_BYTES, True), (rows.UNPACKED_MAX_BYTES, False),
+                      (0, True)):  # kept between steps, or unpacked into the scratch buffer
         monkeypatch.setattr(rows, "UNPACKED_MAX_BYTES", cap)
         unpacked = rows.UnpackedWeights(layer)
         for _ in range(2):
-            with rows.row_kinds(prompt_rows, 8, torch.device("cpu"), unpacked):
+            with rows.row_kinds(prompt_rows, 8, torch.device("cpu"), unpacked, keep):
                 y = layer(x)
             for i in range(8):
                 want = alone_prompt[i] if i in prompt_rows else alone_generated[i]
-                assert torch.equal(y[i], want), (cap, i)
-        assert (unpacked.block is not None) == (cap > 0 and bool(prompt_rows))
+                assert torch.equal(y[i], want), (cap, keep, i)
+        assert (unpacked.block is not None) == (cap > 0 and keep and bool(prompt_rows))
