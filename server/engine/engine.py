@@ -143,8 +143,7 @@ class Engine:
             self._pace(out, time.perf_counter() - t)
         finished = self.scheduler.update(out, result.token_ids if result else [])
         self._record(out, result, finished)
-        if not self.has_unfinished and self.runner.unpacked.block is not None:
-            self.runner.unpacked.release()  # idle: give back the int4 layers' unpacked copies
+        if not self.has_unfinished:  # idle: hand the step's freed temporaries back (~0.1 ms)
             _release_freed_memory()
         return StepOutput(out, finished)
 

@@ -72,15 +72,14 @@ def build_metadata(
 
     decode = [i for i, q in enumerate(query_lens) if q == 1]
     prefill = [[i] for i, q in enumerate(query_lens) if q > 1]
-    split = dtype in (torch.bfloat16, torch.float16)
-    short = [i for i in decode if split and seq_lens[i] <= FP32_DECODE_MAX_CONTEXT]
-    long = [i for i in decode if not split or seq_lens[i] > FP32_DECODE_MAX_CONTEXT]
+    low_precision = dtype in (torch.bfloat16, torch.float16)
+    short = {i for i in decode if low_precision and seq_lens[i] <= FP32_DECODE_MAX_CONTEXT}
+    decode_groups = [([i for i in decode if i in short], True),
+                     ([i for i in decode if i not in short], False)]
     groups = [
-        _build_group(idx, q_lens, s_lens, starts, tables, block_size, dtype, device)
-        for idx in [g for g in (short, long) if g] + prefill
+        _build_group(idx, q_lens, s_lens, starts, tables, block_size, dtype, device, kind)
+        for idx, kind in [g for g in decode_groups if g[0]] + [(i, False) for i in prefill]
     ]
-    if short:
-        groups[0].fp32 = True
     if len(groups) == 1 and groups[0].valid.numel() == num_tokens:
         groups[0].whole_step = True
     return AttentionMetadata(
@@ -100,6 +99,7 @@ def _build_group(
     block_size: int,
     dtype: torch.dtype,
     device: torch.device | str,
+    fp32: bool = False,
 ) -> AttentionGroup:
     sel = torch.tensor(idx, dtype=torch.long)
     q, s, st = q_lens[sel], s_lens[sel], starts[sel]  # [B]
@@ -122,6 +122,7 @@ def _build_group(
         valid=valid.to(device),
         dest=token_index.flatten()[valid].to(device),
         whole_step=False,
+        fp32=fp32,
     )
 
 

@@ -140,11 +140,15 @@ class Int4Linear(nn.Module):
 
     def unpacked_numel(self) -> int:
         """How many bf16 values unpack_into writes (rows.py); 0 when it cannot."""
+        can = self.kernel_weight is not None and self.kernel_weight.device.type == "cpu"
+        return self.out_features * self.in_features if can and self._unpacker() else 0
+
+    def _unpacker(self):
+        """The checked helper if it takes this layer's shape, else None."""
         n, k = self.out_features, self.in_features
-        ok = (self.kernel_weight is not None and self.kernel_weight.device.type == "cpu"
-              and n % 64 == 0 and self.kernel_weight.shape == (n, k // 2)
-              and checked_unpack() is not None)
-        return n * k if ok else 0
+        if n % 64 or self.kernel_weight.shape != (n, k // 2):
+            return None
+        return checked_unpack()
 
     def unpack_into(self, flat: torch.Tensor) -> torch.Tensor | None:
         n, k = self.out_features, self.in_features
@@ -154,9 +158,9 @@ class Int4Linear(nn.Module):
         """The CPU kernel's weight as bf16 [in, out] in `out`, or else in this thread's scratch
         buffer (valid until the next layer's call); None without the compiled helper or for
         shapes it does not take."""
-        unpack = checked_unpack()
+        unpack = self._unpacker()
         n, k = self.out_features, self.in_features
-        if unpack is None or n % 64 or self.kernel_weight.shape != (n, k // 2):
+        if unpack is None:
             return None
         if out is None:
             out = scratch(n * k).view(k, n)

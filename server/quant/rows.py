@@ -24,7 +24,7 @@ from torch import nn
 
 UNPACKED_DTYPE = torch.bfloat16
 # While a prompt spans several steps (a long prompt's paced chunks), the engine keeps every
-# layer's unpacked weight in one block, freed at the first step without prompt rows, if the
+# layer's unpacked weight in one block, freed after the step where no prompt goes on, if the
 # block is at most this big; a prompt done in one step unpacks layer by layer into a small
 # reused scratch buffer instead (a fresh 214 MB block costs ~35 ms of page faults).
 UNPACKED_MAX_BYTES = 1 << 30
@@ -86,11 +86,10 @@ class UnpackedWeights:
 def row_kinds(prompt_rows: list[int], num_rows: int, device: torch.device,
               unpacked: UnpackedWeights, prompts_continue: bool = False) -> Iterator[None]:
     """Within an engine step: rows `prompt_rows` of the flat batch hold prompt tokens;
-    `prompts_continue`: some prompt still has tokens left for later steps. A step without
-    prompt rows releases the kept unpacked weights."""
+    `prompts_continue`: some prompt still has tokens left for later steps. The kept unpacked
+    weights are released after a step that no prompt continues past."""
     if not prompt_rows:
         kinds: Any = "generated"
-        unpacked.release()
     elif len(prompt_rows) == num_rows:
         kinds = "prompt"
     elif prompt_rows[0] + len(prompt_rows) == num_rows:  # the usual case: prompts come last
@@ -104,6 +103,8 @@ def row_kinds(prompt_rows: list[int], num_rows: int, device: torch.device,
         yield
     finally:
         _step.kinds = _step.unpacked = None
+        if not prompts_continue:
+            unpacked.release()
 
 
 def rows_mm(layer: nn.Module, x2: torch.Tensor,
