@@ -43,15 +43,18 @@ class ModelRunner:
         seq_lens = []
         prompt_rows: list[int] = []  # rows holding prompt tokens (quantized layers' path)
         prompts_continue = False  # a prompt has tokens left for later steps
+        prompt_lens: list[int] = []  # per sequence: how many of its new tokens are prompt
         for seq, n in zip(seqs, num_new, strict=True):
             start = seq.num_computed_tokens
             first = len(input_ids)
             input_ids += seq.token_ids[start:start + n]
             seq_lens.append(start + n)
-            prompt_rows += range(first, first + max(0, min(n, seq.num_prompt_tokens - start)))
+            num_prompt = max(0, min(n, seq.num_prompt_tokens - start))
+            prompt_lens.append(num_prompt)
+            prompt_rows += range(first, first + num_prompt)
             prompts_continue |= start + n < seq.num_prompt_tokens
         meta = build_metadata(num_new, seq_lens, [s.block_table for s in seqs],
-                              self.block_size, self.device, self.dtype)
+                              self.block_size, self.device, self.dtype, prompt_lens)
         with row_kinds(prompt_rows, len(input_ids), self.device, self.unpacked,
                        prompts_continue):
             hidden = self.model(torch.tensor(input_ids, device=self.device), self.kv_caches,
