@@ -15,6 +15,7 @@ from torch.nn import functional as F
 
 from server.models.attention import AttentionMetadata, paged_attention
 from server.models.config import ModelConfig
+from server.models.linear import Linear
 from server.quant import fuse_linears
 
 
@@ -61,10 +62,10 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
         h, d, bias = config.hidden_size, config.head_dim, config.qkv_bias
-        self.q_proj = nn.Linear(h, self.num_heads * d, bias=bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+        self.q_proj = Linear(h, self.num_heads * d, bias=bias)
+        self.k_proj = Linear(h, self.num_kv_heads * d, bias=bias)
+        self.v_proj = Linear(h, self.num_kv_heads * d, bias=bias)
+        self.o_proj = Linear(self.num_heads * d, h, bias=False)
         if config.qk_norm:
             self.q_norm = RMSNorm(d, config.rms_norm_eps)
             self.k_norm = RMSNorm(d, config.rms_norm_eps)
@@ -109,9 +110,9 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         h, i = config.hidden_size, config.intermediate_size
-        self.gate_proj = nn.Linear(h, i, bias=False)
-        self.up_proj = nn.Linear(h, i, bias=False)
-        self.down_proj = nn.Linear(i, h, bias=False)
+        self.gate_proj = Linear(h, i, bias=False)
+        self.up_proj = Linear(h, i, bias=False)
+        self.down_proj = Linear(i, h, bias=False)
         self.gate_up_proj: nn.Module | None = None  # gate and up in one call, after fuse()
 
     def fuse(self) -> None:
@@ -156,7 +157,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = Backbone(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         # fp32 cos/sin tables, built on the first forward's device. Plain attributes, not buffers:
         # casting the model to bf16 must not round them.
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None

@@ -11,6 +11,7 @@ from torch import nn
 
 from server.models import model_class
 from server.models.config import ModelConfig
+from server.models.linear import Linear
 from server.quant import apply_quantization, prepare_quantized
 from server.quant.int4 import Int4Linear
 from server.quant.int8 import Int8Embedding
@@ -53,7 +54,7 @@ def build_model(
         if isinstance(embed, Int8Embedding):
             model.lm_head = embed.as_linear()
         else:
-            model.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            model.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
             model.lm_head.weight = embed.weight
     for module in model.modules():  # fused q/k/v and gate/up: fewer kernel calls per step
         if hasattr(module, "fuse"):

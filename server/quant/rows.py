@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from server.models.linear import PROMPT_TILE, tiled_mm
+
 UNPACKED_DTYPE = torch.bfloat16
 # While a prompt spans several steps (a long prompt's paced chunks), the engine keeps every
 # layer's unpacked weight in one block, freed after the step where no prompt goes on, if the
@@ -117,12 +119,12 @@ def rows_mm(layer: nn.Module, x2: torch.Tensor,
     if kinds == "generated" or (weight_t := _step.unpacked.get(layer, _step.keep)) is None:
         return packed_mm(x2)
     if kinds == "prompt":
-        return torch.mm(x2, weight_t)
+        return tiled_mm(x2, weight_t, PROMPT_TILE)
     y = x2.new_empty(x2.shape[0], weight_t.shape[1])
     if isinstance(kinds, int):  # rows [kinds, end) are the prompt rows
         y[:kinds] = packed_mm(x2[:kinds])
-        torch.mm(x2[kinds:], weight_t, out=y[kinds:])
+        y[kinds:] = tiled_mm(x2[kinds:], weight_t, PROMPT_TILE)
         return y
     prompt, generated = kinds
-    y.index_copy_(0, prompt, torch.mm(x2.index_select(0, prompt), weight_t))
+    y.index_copy_(0, prompt, tiled_mm(x2.index_select(0, prompt), weight_t, PROMPT_TILE))
     return y.index_copy_(0, generated, packed_mm(x2.index_select(0, generated)))
