@@ -1,0 +1,127 @@
+"""Batch invariance at the real model's shapes: a seeded request's tokens and logprobs are the
+same bit for bit cold, from the prefix cache, in chunks, among others and after preemption.
+
+Kernels switch by shape (an fp32 GEMM below 4 rows, a bf16 GEMM at 512 rows of a 1536-wide
+input, a column in a tail block of scores: all measured), so tiny models cannot show it: this
+uses SmolLM2-135M's config (576 wide, 30 layers, 9:3 heads, 49,152 tokens) with random weights,
+in the compute dtype this machine picks and in fp32.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from server.engine.engine import Engine, EngineConfig
+from server.engine.sequence import PRIORITY_BATCH, SamplingParams, Sequence
+from server.models.config import ModelConfig
+from server.models.device import pick_dtype
+from server.models.loader import build_model
+from server.quant import quantize_state_dict
+
+CPU = torch.device("cpu")
+SMOLLM2_135M = dict(
+    architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=576,
+    intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+    vocab_size=49152, max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0,
+    tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+DTYPES = sorted({pick_dtype(CPU), torch.float32}, key=str)
+
+
+def random_state(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    h, inter, d = config.hidden_size, config.intermediate_size, config.head_dim
+
+    def rnd(*shape, std=0.05):
+        return (torch.randn(*shape, generator=g) * std).to(torch.bfloat16)
+
+    ones = torch.ones(h, dtype=torch.bfloat16)
+    state = {"model.embed_tokens.weight": rnd(config.vocab_size, h, std=0.5),
+             "model.norm.weight": ones}
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        state |= {p + "self_attn.q_proj.weight": rnd(config.num_heads * d, h),
+                  p + "self_attn.k_proj.weight": rnd(config.num_kv_heads * d, h),
+                  p + "self_attn.v_proj.weight": rnd(config.num_kv_heads * d, h),
+                  p + "self_attn.o_proj.weight": rnd(h, config.num_heads * d),
+                  p + "mlp.gate_proj.weight": rnd(inter, h),
+                  p + "mlp.up_proj.weight": rnd(inter, h),
+                  p + "mlp.down_proj.weight": rnd(h, inter),
+                  p + "input_layernorm.weight": ones, p + "post_attention_layernorm.weight": ones}
+    return state
+
+
+@pytest.fixture(scope="module", params=[4, 16], ids=["int4", "bf16-weights"])
+def weights(request):
+    config = ModelConfig.from_hf(SMOLLM2_135M)
+    state, schemes = random_state(config), {}
+    if request.param != 16:
+        state, schemes = quantize_state_dict(state, request.param)
+    return config, state, schemes
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 49000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def seeded(**kw) -> Sequence:
+    # 150 prompt tokens: two prefix-cache blocks short of 10 full ones, a tail left to compute.
+    params = SamplingParams(max_tokens=6, temperature=0.9, seed=42, logprobs=True,
+                            top_logprobs=2, ignore_eos=True)
+    return Sequence(prompt(150, 1), params, **kw)
+
+
+def others(n: int) -> list[Sequence]:
+    """Sequences of other lengths (decoding while the seeded one prefills, and the reverse)."""
+    return [Sequence(prompt(9 + 41 * i, 100 + i), SamplingParams(
+        max_tokens=4 + 3 * i, temperature=0.0, ignore_eos=True)) for i in range(n)]
+
+
+def result(seq: Sequence):
+    return seq.output_token_ids, seq.logprobs
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_seeded_request_is_the_same_however_it_is_computed(weights, dtype):
+    model = build_model(*weights, CPU, dtype)
+
+    def engine(**config) -> Engine:
+        return Engine(model, EngineConfig(**({"num_blocks": 128} | config)), CPU, dtype)
+
+    def finish(e: Engine) -> None:
+        while e.has_unfinished:
+            e.step()
+
+    e = engine()
+    cold, cached = seeded(), seeded()
+    e.add(cold)
+    finish(e)
+    e.add(cached)  # its prompt is in the prefix cache now
+    finish(e)
+    assert cached.num_cached_tokens == 144
+    chunked = seeded()
+    e = engine(max_num_batched_tokens=24, max_itl_stretch=None, enable_prefix_caching=False)
+    e.add(chunked)
+    finish(e)
+    batched = seeded()
+    e = engine(max_num_batched_tokens=512)
+    for s in others(3) + [batched] + others(6)[3:]:
+        e.add(s)
+    finish(e)
+    # Preempted and recomputed: 14 blocks of 16 cannot hold it beside interactive sequences
+    # that keep growing, so the batch-priority seeded one is preempted and resumed.
+    preempted = seeded(priority=PRIORITY_BATCH)
+    e = engine(num_blocks=14, enable_prefix_caching=False)
+    e.add(preempted)
+    e.step()
+    e.step()
+    for s in [Sequence(prompt(40, 200 + i), SamplingParams(max_tokens=30, temperature=0.0,
+                                                          ignore_eos=True)) for i in range(2)]:
+        e.add(s)
+    finish(e)
+    assert preempted.num_preemptions > 0
+    want = result(cold)
+    assert result(cached) == want
+    assert result(chunked) == want
+    assert result(batched) == want
+    assert result(preempted) == want
