@@ -17,6 +17,7 @@ from server.engine.sequence import SamplingParams
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
 MAX_STOP = 16
+INT64 = (-(2**63), 2**63 - 1)  # every integer field fits the engine's int64 (seeds, counts)
 ROLES = ("system", "developer", "user", "assistant")
 
 
@@ -69,7 +70,7 @@ class Fields:
             v = int(v)
         if not isinstance(v, int) or isinstance(v, bool):
             raise invalid(name, f"Invalid type for '{name}': expected an integer.")
-        _check_range(name, v, lo, hi)
+        _check_range(name, v, INT64[0] if lo is None else lo, INT64[1] if hi is None else hi)
         return v
 
     def float(self, name: str, default: float, lo: float | None = None,
