@@ -10,9 +10,27 @@ from cli import batch, bench, models, pull, run, serve, usage
 from cli import eval as eval_cmd
 
 
+class _IntermixedParser(argparse.ArgumentParser):
+    """A subcommand's parser taking options before, between or after its positionals
+    (`run NAME --dtype fp32 PROMPT`): plain argparse gives an optional positional up once an
+    option follows the first one."""
+
+    _inside = False
+
+    def parse_known_args(self, args=None, namespace=None):
+        nested = any(isinstance(a, argparse._SubParsersAction) for a in self._actions)
+        if self._inside or nested:  # the intermixed parse calls back in here; it takes no
+            return super().parse_known_args(args, namespace)  # subcommands (`batch status`)
+        self._inside = True
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._inside = False
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="localserve", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_IntermixedParser)
     for module in (pull, models, run, serve, batch, usage, bench, eval_cmd):
         module.add_parser(sub)
     return parser
