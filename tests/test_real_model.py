@@ -37,9 +37,13 @@ def test_int4_is_well_under_half_of_bf16(pulled):
     assert int4.manifest["tokenizer"]["eos_token_ids"] == [2]
 
 
+# "Name the capital of France." keeps at least 1.37 nats between its top two tokens over the
+# six greedy tokens up to "Paris" at every stored size under bf16 and fp32 compute (measured,
+# AVX-512 BF16; 1.75 on an AMX machine). "What is the capital of France?" is a near tie at its
+# first token ("The" vs "L'", 0.0-0.4 nats) and flips with the CPU's rounding.
 @pytest.mark.parametrize("tag", ["bf16", "int8", "int4"])
 def test_answers_paris(pulled, real_home, tag):
-    proc = localserve(real_home, "run", f"smollm2-135m:{tag}", "What is the capital of France?",
+    proc = localserve(real_home, "run", f"smollm2-135m:{tag}", "Name the capital of France.",
                       "--max-tokens", "24")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Paris" in proc.stdout

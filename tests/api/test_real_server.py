@@ -45,8 +45,8 @@ def client(real_server):
 def test_default_model_is_served_and_answers_paris(client):
     assert [m.id for m in client.models.list().data] == ["smollm2-135m:int4"]
     r = client.chat.completions.create(
-        model="smollm2-135m", messages=[{"role": "user", "content": "What is the capital of "
-                                         "France?"}], max_tokens=24, temperature=0)
+        model="smollm2-135m", messages=[{"role": "user", "content": "Name the capital of France."}],
+        max_tokens=24, temperature=0)  # a wide-margin prompt (tests/test_real_model.py)
     assert "Paris" in r.choices[0].message.content
     assert r.choices[0].finish_reason == "stop"
 
