@@ -1,9 +1,14 @@
-"""`localserve eval NAME [--text FILE]`: bits per byte of a stored model on natural text."""
+"""`localserve eval NAME [--reference REF] [--text FILE] [--json]`: bits per byte of a stored
+model on natural text and, against a reference model, how far its next-token distributions are
+from the reference's (KL divergence, mean and p99, and top-1 agreement, as llama.cpp's
+`perplexity --kl-divergence` reports)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
+from collections.abc import Iterator
 from pathlib import Path
 
 # Real prose that ships with every Debian-based system (and the Docker image): the GNU GPL v3.
@@ -12,12 +17,17 @@ DEFAULT_BYTES = 16_000
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("eval", help="bits per byte on natural text (lower is better)")
+    p = sub.add_parser("eval", help="bits per byte on natural text (lower is better); KL "
+                       "divergence from a reference model")
     p.add_argument("name")
+    p.add_argument("--reference", default=None, metavar="REF",
+                   help="stored model to compare with (e.g. smollm2-135m:bf16)")
+    p.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     p.add_argument("--text", type=Path, default=None,
                    help=f"UTF-8 text file (default: the first {DEFAULT_BYTES} bytes of "
                         f"{DEFAULT_TEXT})")
-    p.add_argument("--context", type=int, default=1024, help="window in tokens")
+    p.add_argument("--context", type=int, default=1024,
+                   help="window in tokens (at most the model's context)")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None, choices=("bf16", "fp32"))
     p.set_defaults(func=run)
@@ -30,34 +40,66 @@ def default_text() -> str:
     return text[: text.rfind("\n") + 1]
 
 
-def bits_per_byte(model, tokenizer, text: str, context: int = 1024) -> float:
-    """Total NLL in bits of every token but the first, over the bytes those tokens spell.
+def scored_logits(model, ids: list[int], context: int = 1024) -> Iterator[tuple]:
+    """(logits [n, V] fp32, targets [n]) for every token but the first, window by window.
 
     Windows of `context` tokens advance by half a window; each token is scored once, with at
     least half a window of context (the usual strided-perplexity recipe).
     """
     import torch
-    from torch.nn import functional as F
 
     from server.models.simple import prompt_logits
 
-    ids = tokenizer.encode(text, add_special_tokens=False)
     if len(ids) < 2:
         raise ValueError("text too short to evaluate")
     stride = max(1, context // 2)
-    total_nats, scored_upto = 0.0, 1  # ids[0] has no context and is not scored
+    scored_upto = 1  # ids[0] has no context and is not scored
     for start in range(0, len(ids), stride):
         window = ids[start:start + context]
-        logits = prompt_logits(model, window)  # [W, V]
-        targets = torch.tensor(window[1:])
-        nll = F.cross_entropy(logits[:-1], targets, reduction="none")  # nll[i] scores window[i+1]
-        first_new = scored_upto - start - 1  # index into nll of the first unscored token
-        total_nats += float(nll[first_new:].sum())
+        logits = prompt_logits(model, window)  # [W, V]; logits[i] predicts window[i + 1]
+        first_new = scored_upto - start - 1  # the first position not scored yet
+        yield logits[first_new:-1], torch.tensor(window[first_new + 1:])
         scored_upto = start + len(window)
         if scored_upto >= len(ids):
             break
-    num_bytes = len(text.encode()) - len(tokenizer.decode(ids[:1]).encode())
-    return total_nats / math.log(2) / num_bytes
+
+
+def _num_bytes(tokenizer, text: str, ids: list[int]) -> int:
+    """The bytes the scored tokens spell: all but the first token's."""
+    return len(text.encode()) - len(tokenizer.decode(ids[:1]).encode())
+
+
+def bits_per_byte(model, tokenizer, text: str, context: int = 1024) -> float:
+    """Total NLL in bits of every token but the first, over the bytes those tokens spell."""
+    from torch.nn import functional as F
+
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    total_nats = sum(float(F.cross_entropy(logits, targets, reduction="sum"))
+                     for logits, targets in scored_logits(model, ids, context))
+    return total_nats / math.log(2) / _num_bytes(tokenizer, text, ids)
+
+
+def compare(model, reference, tokenizer, text: str, context: int = 1024) -> dict[str, float]:
+    """Bits per byte of both, and per scored token KL(reference || model) in nats: its mean
+    and 99th percentile, and how often both put the same token first."""
+    import torch
+    from torch.nn import functional as F
+
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    nats, ref_nats, klds, same = 0.0, 0.0, [], 0
+    for (logits, targets), (ref_logits, _) in zip(scored_logits(model, ids, context),
+                                                  scored_logits(reference, ids, context),
+                                                  strict=True):
+        logp, ref_logp = logits.log_softmax(-1), ref_logits.log_softmax(-1)
+        nats += float(F.nll_loss(logp, targets, reduction="sum"))
+        ref_nats += float(F.nll_loss(ref_logp, targets, reduction="sum"))
+        klds.append((ref_logp.exp() * (ref_logp - logp)).sum(-1).clamp(min=0))
+        same += int((logp.argmax(-1) == ref_logp.argmax(-1)).sum())
+    kld = torch.cat(klds).double()
+    num_bytes = _num_bytes(tokenizer, text, ids) * math.log(2)
+    return {"bits_per_byte": nats / num_bytes, "reference_bits_per_byte": ref_nats / num_bytes,
+            "kld_mean": float(kld.mean()), "kld_p99": float(torch.quantile(kld, 0.99)),
+            "top1_agreement": same / kld.numel(), "tokens": kld.numel()}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -66,10 +108,34 @@ def run(args: argparse.Namespace) -> int:
     from server.models.tokenizer import load_tokenizer
     from storage.models import ModelStore
 
-    stored = ModelStore().resolve(args.name)
+    store = ModelStore()
+    stored = store.resolve(args.name)
+    ref = store.resolve(args.reference) if args.reference else None
     text = args.text.read_text() if args.text else default_text()
+    if args.context < 2:
+        raise ValueError(f"--context must be at least 2 tokens, got {args.context}")
     device = pick_device(args.device)
-    loaded = load_model(stored, device, pick_dtype(device, args.dtype))
-    bpb = bits_per_byte(loaded.model, load_tokenizer(stored), text, args.context)
-    print(f"{stored.name}: {bpb:.4f} bits per byte ({len(text.encode())} bytes)")
+    dtype = pick_dtype(device, args.dtype)
+    tokenizer = load_tokenizer(stored)
+    model = load_model(stored, device, dtype).model
+    context = min(args.context, model.config.max_position_embeddings)
+    result: dict = {"model": stored.name, "dtype": str(dtype).removeprefix("torch."),
+                    "bytes": len(text.encode())}
+    if ref is None:
+        result["bits_per_byte"] = bits_per_byte(model, tokenizer, text, context)
+        line = f"{stored.name}: {result['bits_per_byte']:.4f} bits per byte"
+    else:
+        if load_tokenizer(ref).encode(text, add_special_tokens=False) != tokenizer.encode(
+                text, add_special_tokens=False):
+            raise ValueError(f"{ref.name} does not share {stored.name}'s tokenizer")
+        result["reference"] = ref.name
+        result |= compare(model, load_model(ref, device, dtype).model, tokenizer, text,
+                          context)
+        line = (f"{stored.name}: {result['bits_per_byte']:.4f} bits per byte "
+                f"({ref.name}: {result['reference_bits_per_byte']:.4f}); KL divergence from "
+                f"{ref.name}: mean {result['kld_mean']:.5f}, p99 {result['kld_p99']:.5f} nats; "
+                f"top-1 agreement {result['top1_agreement']:.2%} over {result['tokens']} tokens")
+    print(f"{line} ({result['bytes']} bytes, {result['dtype']} compute)")
+    if args.json:
+        print(json.dumps(result))
     return 0
