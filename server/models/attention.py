@@ -9,15 +9,17 @@ Queries are grouped so no layer loops over sequences on the decode path: every g
 attending to its own context; each sequence's prompt tokens in the step are a group of their own,
 since prefill is compute-bound and few chunks run per step.
 
-Batch invariance: a matmul kernel's rounding can depend on the shape of the call (oneDNN and
-MKL pick kernels and blockings by shape: an fp32 GEMM with fewer than 4 rows takes another path,
-a column of scores in a tail block another order). So every matmul here has a shape fixed by
-constants, never by the other sequences of the step or by how a prompt was chunked: queries in
-tiles of QUERY_TILE (prompt) or 1 (generated), context in tiles of CONTEXT_TILE positions. A
-query's scores are computed per context tile, the softmax denominator and the weighted values
-are summed tile by tile in order (cumsum: a sequential scan), and padding (masked positions,
-zero slots, padded tiles) adds exact zeros. So a query's output is a function of its own
-sequence alone, whatever the batch, the chunking or the prefix cache.
+Batch invariance: a matmul kernel's rounding can depend on the shape of the call (MKL's fp32
+GEMM takes another path below 4 rows and for a tail of columns; oneDNN picks blockings by
+shape), so every matmul here has a shape that depends on the query's own position only, never
+on the other sequences of the step or on how a prompt was chunked:
+- prompt queries run in tiles of QUERY_TILE positions aligned to the sequence start; tile k
+  attends to the context [0, (k + 1) * QUERY_TILE) (future positions masked), so its matmuls
+  and softmax have one shape whether the prompt came whole, in chunks or after a prefix hit;
+- a generated query attends in tiles of CONTEXT_TILE positions, batched with the other decodes
+  and padded to the longest context; the softmax denominator and the weighted values are summed
+  over tiles pairwise by tile position (_tile_sum), so padding tiles, which hold exact zeros,
+  never change the sum of the real ones.
 """
 
 from __future__ import annotations
@@ -26,22 +28,28 @@ from dataclasses import dataclass
 
 import torch
 
-QUERY_TILE = 32  # prompt queries per matmul tile (a chunk is padded up to a multiple)
-CONTEXT_TILE = 64  # context positions per matmul tile (a context is padded up to a multiple)
+QUERY_TILE = 64  # prompt positions per attention tile (tiles aligned to the sequence start)
+CONTEXT_TILE = 64  # context positions per tile of a generated token's attention
 
 
 @dataclass(slots=True)
 class AttentionGroup:
-    """Queries attended together, padded to the group's tile-rounded query and context sizes."""
+    """Queries attended together: the decodes of a step ([B, 1] queries, each over its own
+    context padded to the longest) or one sequence's prompt chunk ([num_tiles, QUERY_TILE]
+    aligned query tiles, tile j over the context up to its end)."""
 
-    token_index: torch.Tensor  # [B, max_q] index of each query in the step's tokens (padded)
-    context_slots: torch.Tensor  # [B, max_ctx] cache slot of each context position (padded)
-    mask: torch.Tensor  # [B, max_q, max_ctx] fp32 additive: 0 where allowed, -inf elsewhere
-    valid: torch.Tensor  # [num_valid] flat indices into [B * max_q] of real queries
+    token_index: torch.Tensor  # [B, 1] or [num_tiles, QUERY_TILE] step-token index (padded)
+    context_slots: torch.Tensor  # [B, max_ctx] or [1, max_ctx] cache slot of each position
+    # Additive, 0 where allowed, -inf elsewhere. Decodes: [B, max_ctx]; a prompt chunk: the
+    # diagonal block of each tile, [num_tiles, QUERY_TILE, QUERY_TILE] (earlier context is
+    # always allowed).
+    mask: torch.Tensor
+    valid: torch.Tensor  # [num_valid] flat indices into token_index of real queries
     dest: torch.Tensor  # [num_valid] step-token index each real query's output goes to
     whole_step: bool  # the group is every token of the step, in order, unpadded
     flat_slots: torch.Tensor | None = None  # context_slots as [B * max_ctx] indices >= 0
     fp32: bool = False  # attend in fp32 (short-context decodes under a 16-bit compute dtype)
+    first_tile: int = -1  # a prompt chunk's first tile (its position // QUERY_TILE); -1: decodes
 
 
 NULL_SLOT = -1  # the KV caches' extra last slot: zeros, read by padding, never written
@@ -94,24 +102,22 @@ def build_metadata(
     block_of_token = tables[seq_of_token, positions // block_size]
     slot_mapping = block_of_token * block_size + positions % block_size
 
-    # Entries (sequence, first token index, number of queries, context length).
     low_precision = dtype in (torch.bfloat16, torch.float16)
-    decode: dict[bool, list[tuple[int, int, int, int]]] = {True: [], False: []}
-    prefill = []
+    decode: dict[bool, list[tuple[int, int, int]]] = {True: [], False: []}
+    groups = []
     start_list, pos_list = starts.tolist(), (s_lens - q_lens).tolist()
     for i, (q, p) in enumerate(zip(query_lens, prompt_lens, strict=True)):
         if p:
-            prefill.append([(i, start_list[i], p, pos_list[i] + p)])
-        for j in range(p, q):
+            groups.append(_prompt_group(tables[i], start_list[i], pos_list[i], p, block_size,
+                                        device))
+        for j in range(p, q):  # (sequence, token index, context length)
             ctx = pos_list[i] + j + 1
             decode[low_precision and ctx <= FP32_DECODE_MAX_CONTEXT].append(
-                (i, start_list[i] + j, 1, ctx))
-    groups = [_build_group(e, tables, block_size, dtype, device, fp32)
-              for e, fp32 in [(decode[True], True), (decode[False], False)] if e]
-    groups += [_build_group(e, tables, block_size, dtype, device) for e in prefill]
-    if len(groups) == 1 and groups[0].valid.numel() == num_tokens and torch.equal(
-            groups[0].token_index.flatten().cpu(), torch.arange(num_tokens)):
-        groups[0].whole_step = True
+                (i, start_list[i] + j, ctx))
+    groups = [_decode_group(e, tables, block_size, device, fp32)
+              for e, fp32 in [(decode[True], True), (decode[False], False)] if e] + groups
+    if len(groups) == 1 and groups[0].first_tile < 0 and groups[0].valid.numel() == num_tokens:
+        groups[0].whole_step = bool((groups[0].dest == torch.arange(num_tokens)).all())
     return AttentionMetadata(
         positions=positions.to(device),
         slot_mapping=slot_mapping.to(device),
@@ -120,42 +126,67 @@ def build_metadata(
     )
 
 
-def _build_group(
-    entries: list[tuple[int, int, int, int]],
-    tables: torch.Tensor,
-    block_size: int,
-    dtype: torch.dtype,
-    device: torch.device | str,
-    fp32: bool = False,
-) -> AttentionGroup:
-    seq, first, q, s = (torch.tensor(c, dtype=torch.long) for c in zip(*entries, strict=True))
-    max_q = int(q.max())
-    if max_q > 1:
-        max_q = _round_up(max_q, QUERY_TILE)
-    max_ctx = _round_up(int(s.max()), CONTEXT_TILE)
-    qi = torch.arange(max_q)  # [max_q]
-    is_real_query = qi[None, :] < q[:, None]  # [B, max_q]
-    token_index = torch.where(is_real_query, first[:, None] + qi[None, :], 0)
-    ctx = torch.arange(max_ctx)  # [max_ctx]
-    max_blocks = tables.shape[1]
-    block_col = (ctx // block_size).clamp(max=max_blocks - 1)
-    context_slots = tables[seq][:, block_col] * block_size + ctx % block_size
-    # Padding past a sequence's length reads the zero slot, never an unwritten one.
-    context_slots = torch.where(ctx[None, :] < s[:, None], context_slots, NULL_SLOT)
-    query_pos = (s - q)[:, None] + qi[None, :]  # [B, max_q]
-    allowed = ctx[None, None, :] <= query_pos[:, :, None]  # [B, max_q, max_ctx]
-    allowed &= ctx[None, None, :] < s[:, None, None]
-    mask = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
-    valid = torch.nonzero(is_real_query.flatten()).flatten()
+def _slots(table: torch.Tensor, ctx: torch.Tensor, seq_len: torch.Tensor,
+           block_size: int) -> torch.Tensor:
+    """Cache slot of each context position; positions at or past seq_len read the zero slot."""
+    block_col = (ctx // block_size).clamp(max=table.shape[-1] - 1)
+    slots = table[..., block_col] * block_size + ctx % block_size
+    return torch.where(ctx < seq_len, slots, NULL_SLOT)
+
+
+def _decode_group(entries: list[tuple[int, int, int]], tables: torch.Tensor, block_size: int,
+                  device: torch.device | str, fp32: bool) -> AttentionGroup:
+    seq, token, s = (torch.tensor(c, dtype=torch.long) for c in zip(*entries, strict=True))
+    ctx = torch.arange(_round_up(int(s.max()), CONTEXT_TILE))  # [max_ctx]
+    # Every position before the query's own end is allowed (the query is the last one).
+    mask = torch.zeros(len(entries), ctx.numel()).masked_fill_(ctx[None] >= s[:, None],
+                                                                float("-inf"))
     return AttentionGroup(
-        token_index=token_index.to(device),
-        context_slots=context_slots.to(device),
+        token_index=token[:, None].to(device),
+        context_slots=_slots(tables[seq], ctx, s[:, None], block_size).to(device),
         mask=mask.to(device),
-        valid=valid.to(device),
-        dest=token_index.flatten()[valid].to(device),
+        valid=torch.arange(len(entries), device=device),
+        dest=token.to(device),
         whole_step=False,
         fp32=fp32,
     )
+
+
+def _prompt_group(table: torch.Tensor, first_token: int, start: int, num: int, block_size: int,
+                  device: torch.device | str) -> AttentionGroup:
+    """Prompt positions [start, start + num) of one sequence, their tokens from first_token."""
+    end = start + num
+    first_tile, last_tile = start // QUERY_TILE, (end - 1) // QUERY_TILE
+    pos = torch.arange(first_tile * QUERY_TILE, (last_tile + 1) * QUERY_TILE)  # tiles' positions
+    is_real = (pos >= start) & (pos < end)
+    token_index = torch.where(is_real, pos - start + first_token, 0)
+    ctx = torch.arange(pos.numel() + first_tile * QUERY_TILE)  # up to the last tile's end
+    # The diagonal block: a query sees positions up to its own, and none past the chunk.
+    diag = pos.view(-1, QUERY_TILE)  # [num_tiles, QUERY_TILE] positions of each tile
+    allowed = (diag[:, None, :] <= diag[:, :, None]) & (diag[:, None, :] < end)
+    mask = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
+    valid = torch.nonzero(is_real).flatten()
+    return AttentionGroup(
+        token_index=token_index.view(-1, QUERY_TILE).to(device),
+        context_slots=_slots(table, ctx, torch.tensor(end), block_size)[None].to(device),
+        mask=mask.to(device),
+        valid=valid.to(device),
+        dest=token_index[valid].to(device),
+        whole_step=False,
+        first_tile=first_tile,
+    )
+
+
+def _tile_sum(x: torch.Tensor) -> torch.Tensor:
+    """[A, n, ...] -> [A, ...]: the n tiles summed pairwise, (0 + 1), (2 + 3), ..., then the
+    pairs the same way. A tile's partners depend on its position only, and a tile without a
+    partner passes through as if added to zero, so zero tiles appended at the end (padding)
+    leave the sum of the real ones exactly as it was."""
+    while x.shape[1] > 1:
+        n = x.shape[1]
+        pairs = x[:, 0:n - 1:2] + x[:, 1:n:2]
+        x = torch.cat([pairs, x[:, n - 1:]], dim=1) if n % 2 else pairs
+    return x[:, 0]
 
 
 def paged_attention(
@@ -176,47 +207,69 @@ def paged_attention(
     group_size = num_heads // num_kv_heads
     out = None
     for g in meta.groups:
-        b, max_q = g.token_index.shape
-        ctx = g.context_slots.shape[1]
-        nc, tile = ctx // CONTEXT_TILE, min(max_q, QUERY_TILE)
-        hb = num_kv_heads * b
-        qg = q if g.whole_step else q[g.token_index]
-        # [B, max_q, Hkv, G, D] -> [Hkv, B, max_q, G, D]
-        qg = qg.view(b, max_q, num_kv_heads, group_size, head_dim).permute(2, 0, 1, 3, 4)
-        adt = torch.float32 if g.fp32 else q.dtype
-        qg = (qg * scale).to(adt)
-        if g.flat_slots is None:  # once per step: index_select takes no negative index
-            g.flat_slots = g.context_slots.view(-1).remainder(k_cache.shape[1])
-        slots = g.flat_slots
-        # A pool stored in another dtype (bf16 under fp32 compute) converts after the gather.
-        # [Hkv * B * nc, CONTEXT_TILE, D]
-        k = k_cache.index_select(1, slots).to(adt).view(hb * nc, CONTEXT_TILE, head_dim)
-        v = v_cache.index_select(1, slots).to(adt).view(hb * nc, CONTEXT_TILE, head_dim)
-        mask = g.mask.view(1, b, max_q, 1, nc, CONTEXT_TILE)
-        outs = []
-        for t0 in range(0, max_q, tile):
-            # One query tile: rows (query, head) of each kv head, repeated for each context tile.
-            qt = qg[:, :, t0:t0 + tile].reshape(hb, 1, tile * group_size, head_dim)
-            qt = qt.expand(hb, nc, tile * group_size, head_dim).reshape(
-                hb * nc, tile * group_size, head_dim)
-            scores = torch.bmm(qt, k.transpose(1, 2)).float()  # [Hkv*B*nc, tile*G, CTX_TILE]
-            scores = scores.view(num_kv_heads, b, nc, tile, group_size, CONTEXT_TILE)
-            scores = scores.permute(0, 1, 3, 4, 2, 5) + mask[:, :, t0:t0 + tile]
-            # [Hkv, B, tile, G, nc, CTX_TILE]: the max is exact in any order
-            peak = scores.amax(dim=(-2, -1), keepdim=True)
-            probs = torch.exp(scores - peak)
-            # Denominator: each tile's sum (a fixed-length reduction), then tiles in order.
-            denom = probs.sum(-1).cumsum(-1)[..., -1:]  # [Hkv, B, tile, G, 1]
-            probs = probs.permute(0, 1, 4, 2, 3, 5).to(adt).reshape(
-                hb * nc, tile * group_size, CONTEXT_TILE)
-            part = torch.bmm(probs, v).view(hb, nc, tile * group_size, head_dim)
-            o = part.float().cumsum(1)[:, -1].view(num_kv_heads, b, tile, group_size, head_dim)
-            outs.append(o / denom)
-        o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # [Hkv, B, max_q, G, D]
-        o = o.to(q.dtype).permute(1, 2, 0, 3, 4).reshape(b * max_q, num_heads * head_dim)
+        attend = _prompt_tiles if g.first_tile >= 0 else _decodes
+        o = attend(q, k_cache, v_cache, g, scale, num_kv_heads, group_size)  # [rows, Hq * D]
         if g.whole_step:
             return o
         if out is None:
             out = q.new_empty(num_tokens, num_heads * head_dim)
         out[g.dest] = o[g.valid]
     return out
+
+
+def _gather(cache: torch.Tensor, g: AttentionGroup, dtype: torch.dtype) -> torch.Tensor:
+    """[Hkv, B * max_ctx, D] keys or values of the group's context, in `dtype`."""
+    if g.flat_slots is None:  # once per step: index_select takes no negative index
+        g.flat_slots = g.context_slots.view(-1).remainder(cache.shape[1])
+    # A pool stored in another dtype (bf16 under fp32 compute) converts after the gather.
+    return cache.index_select(1, g.flat_slots).to(dtype)
+
+
+def _decodes(q, k_cache, v_cache, g: AttentionGroup, scale: float, num_kv_heads: int,
+             group_size: int) -> torch.Tensor:
+    """One query per entry, over its context in tiles of CONTEXT_TILE."""
+    b, ctx = g.context_slots.shape
+    head_dim, nc, hb = q.shape[-1], ctx // CONTEXT_TILE, num_kv_heads * b
+    adt = torch.float32 if g.fp32 else q.dtype
+    qg = q if g.whole_step else q[g.token_index[:, 0]]
+    # [B, Hkv, G, D] -> [Hkv, B, G, D], repeated for each context tile: [Hkv * B * nc, G, D]
+    qg = (qg.view(b, num_kv_heads, group_size, head_dim).transpose(0, 1) * scale).to(adt)
+    qg = qg.reshape(hb, 1, group_size, head_dim).expand(hb, nc, group_size, head_dim)
+    qg = qg.reshape(hb * nc, group_size, head_dim)
+    k = _gather(k_cache, g, adt).view(hb * nc, CONTEXT_TILE, head_dim)
+    v = _gather(v_cache, g, adt).view(hb * nc, CONTEXT_TILE, head_dim)
+    scores = torch.bmm(qg, k.transpose(1, 2)).float()  # [Hkv * B * nc, G, CONTEXT_TILE]
+    scores = scores.view(num_kv_heads, b, nc, group_size, CONTEXT_TILE) + g.mask.view(
+        1, b, nc, 1, CONTEXT_TILE)
+    peak = scores.amax(dim=(2, 4), keepdim=True)  # exact in any order
+    probs = torch.exp(scores - peak)  # [Hkv, B, nc, G, CONTEXT_TILE]
+    denom = _tile_sum(probs.sum(-1).view(hb, nc, group_size))  # [Hkv * B, G]
+    part = torch.bmm(probs.view(hb * nc, group_size, CONTEXT_TILE).to(adt), v)
+    o = _tile_sum(part.float().view(hb, nc, group_size, head_dim)) / denom[..., None]
+    # [Hkv, B, G, D] -> [B, Hkv * G * D]
+    return o.view(num_kv_heads, b, group_size * head_dim).transpose(0, 1).reshape(
+        b, num_kv_heads * group_size * head_dim).to(q.dtype)
+
+
+def _prompt_tiles(q, k_cache, v_cache, g: AttentionGroup, scale: float, num_kv_heads: int,
+                  group_size: int) -> torch.Tensor:
+    """A prompt chunk's aligned query tiles, tile j over the context up to its own end."""
+    num_tiles = g.token_index.shape[0]
+    head_dim, dtype = q.shape[-1], q.dtype
+    # [tiles, QT, Hkv, G, D] -> [tiles, Hkv, G, QT, D]
+    qg = q[g.token_index].view(num_tiles, QUERY_TILE, num_kv_heads, group_size, head_dim)
+    qg = (qg.permute(0, 2, 3, 1, 4) * scale).reshape(
+        num_tiles, num_kv_heads, group_size * QUERY_TILE, head_dim)
+    k = _gather(k_cache, g, dtype)  # [Hkv, ctx, D]
+    v = _gather(v_cache, g, dtype)
+    outs = []
+    for j in range(num_tiles):
+        n = (g.first_tile + j + 1) * QUERY_TILE
+        scores = torch.bmm(qg[j], k[:, :n].transpose(1, 2))  # [Hkv, G * QT, n]
+        scores.view(num_kv_heads, group_size, QUERY_TILE, n)[..., n - QUERY_TILE:].add_(
+            g.mask[j])
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)
+        outs.append(torch.bmm(probs, v[:, :n]))  # [Hkv, G * QT, D]
+    o = torch.stack(outs).view(num_tiles, num_kv_heads, group_size, QUERY_TILE, head_dim)
+    return o.permute(0, 3, 1, 2, 4).reshape(num_tiles * QUERY_TILE,
+                                            num_kv_heads * group_size * head_dim)
