@@ -110,13 +110,17 @@ def row_kinds(prompt_rows: list[int], num_rows: int, device: torch.device,
 
 
 def rows_mm(layer: nn.Module, x2: torch.Tensor,
-            packed_mm: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
-    """x2 @ weight for an engine step's rows, each through its kind's kernel; None outside an
-    engine step (the caller decides)."""
+            packed_mm: Callable[[torch.Tensor], torch.Tensor],
+            weight_t: torch.Tensor | None = None) -> torch.Tensor | None:
+    """x2 @ weight for an engine step's rows, each through its kind's kernel: generated rows
+    through `packed_mm`, prompt rows through a GEMM on `weight_t` (a dense layer's own weight)
+    or else on the layer's unpacked weight. None outside an engine step (the caller decides)."""
     kinds = getattr(_step, "kinds", None)
     if kinds is None:
         return None
-    if kinds == "generated" or (weight_t := _step.unpacked.get(layer, _step.keep)) is None:
+    if weight_t is None and kinds != "generated":
+        weight_t = _step.unpacked.get(layer, _step.keep)
+    if kinds == "generated" or weight_t is None:
         return packed_mm(x2)
     if kinds == "prompt":
         return tiled_mm(x2, weight_t, PROMPT_TILE)
