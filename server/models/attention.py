@@ -234,21 +234,22 @@ def _decodes(q, k_cache, v_cache, g: AttentionGroup, scale: float, num_kv_heads:
     qg = q if g.whole_step else q[g.token_index[:, 0]]
     # [B, Hkv, G, D] -> [Hkv, B, G, D], repeated for each context tile: [Hkv * B * nc, G, D]
     qg = (qg.view(b, num_kv_heads, group_size, head_dim).transpose(0, 1) * scale).to(adt)
-    qg = qg.reshape(hb, 1, group_size, head_dim).expand(hb, nc, group_size, head_dim)
+    if nc > 1:
+        qg = qg.reshape(hb, 1, group_size, head_dim).expand(hb, nc, group_size, head_dim)
     qg = qg.reshape(hb * nc, group_size, head_dim)
     k = _gather(k_cache, g, adt).view(hb * nc, CONTEXT_TILE, head_dim)
     v = _gather(v_cache, g, adt).view(hb * nc, CONTEXT_TILE, head_dim)
     scores = torch.bmm(qg, k.transpose(1, 2)).float()  # [Hkv * B * nc, G, CONTEXT_TILE]
-    scores = scores.view(num_kv_heads, b, nc, group_size, CONTEXT_TILE) + g.mask.view(
-        1, b, nc, 1, CONTEXT_TILE)
+    scores = scores.view(num_kv_heads, b, nc, group_size, CONTEXT_TILE)
+    scores += g.mask.view(1, b, nc, 1, CONTEXT_TILE)
     peak = scores.amax(dim=(2, 4), keepdim=True)  # exact in any order
-    probs = torch.exp(scores - peak)  # [Hkv, B, nc, G, CONTEXT_TILE]
+    probs = scores.sub_(peak).exp_()  # [Hkv, B, nc, G, CONTEXT_TILE]
     denom = _tile_sum(probs.sum(-1).view(hb, nc, group_size))  # [Hkv * B, G]
     part = torch.bmm(probs.view(hb * nc, group_size, CONTEXT_TILE).to(adt), v)
-    o = _tile_sum(part.float().view(hb, nc, group_size, head_dim)) / denom[..., None]
+    o = _tile_sum(part.float().view(hb, nc, group_size, head_dim)).div_(denom[..., None])
     # [Hkv, B, G, D] -> [B, Hkv * G * D]
-    return o.view(num_kv_heads, b, group_size * head_dim).transpose(0, 1).reshape(
-        b, num_kv_heads * group_size * head_dim).to(q.dtype)
+    o = o.to(q.dtype).view(num_kv_heads, b, group_size * head_dim).transpose(0, 1)
+    return o.reshape(b, num_kv_heads * group_size * head_dim)
 
 
 def _prompt_tiles(q, k_cache, v_cache, g: AttentionGroup, scale: float, num_kv_heads: int,
