@@ -13,7 +13,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from server.models.linear import Linear
 from server.quant.int4 import Int4Linear, pack_int4, quantize_int4
 from server.quant.int8 import Int8Embedding, Int8Linear, quantize_int8
 
@@ -87,14 +86,14 @@ def fuse_linears(mods: list[nn.Module]) -> nn.Module | None:
         return None
     if kind is Int4Linear and any(m.group_size != first.group_size for m in mods):
         return None
-    if kind not in (Linear, Int8Linear, Int4Linear):
+    if not issubclass(kind, nn.Linear | Int8Linear | Int4Linear):
         return None
     has_bias = first.bias is not None
     if any((m.bias is not None) != has_bias for m in mods):
         return None
     out_features = sum(m.out_features for m in mods)
-    if kind is Linear:
-        fused: nn.Module = Linear(first.in_features, out_features, bias=has_bias,
+    if issubclass(kind, nn.Linear):  # the model's dense Linear (server/models/linear.py)
+        fused: nn.Module = kind(first.in_features, out_features, bias=has_bias,
                                      device=first.weight.device, dtype=first.weight.dtype)
     elif kind is Int8Linear:
         fused = Int8Linear(first.in_features, out_features, has_bias)

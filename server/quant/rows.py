@@ -1,16 +1,23 @@
-"""Which kernel a quantized CPU layer uses for which rows of an engine step.
+"""Which kernel computes which rows of an engine step, so that no row depends on the others.
 
 The packed int4/int8 kernels win at a few rows (decode) but stay near 300 GFLOP/s from 16 rows
 on, where a bf16 GEMM reaches 400-700 (benchmarks/kernels.py). So in an engine step, rows
 holding prompt tokens run a bf16 GEMM on the layer's weight unpacked to bf16, and rows of
-generated tokens keep the packed kernel. The split is by what a row holds, never by how many
-rows there are: both kernels give a row the same numbers whatever else is in the batch, so a
-prompt computed whole, in chunks or from the prefix cache, a request alone or batched, and a
-preempted one recomputed all give the same logprobs bit for bit.
+generated tokens keep the packed kernel; a dense layer runs the GEMM on its own weight for both.
+The split is by what a row holds, never by how many rows there are.
 
-A layer takes part by having `unpacked_numel()` (0: it cannot) and `unpack_into(flat)` (its
-weight as bf16 [in, out], possibly a transposed view, written into `flat`).
-"""
+Each kernel must also give a row the same numbers whatever else shares the call. The packed
+kernels do (every row takes the same instructions). A GEMM library does not: it picks its
+kernel and blocking by shape (MKL's fp32 GEMM takes another path below 4 rows, oneDNN's bf16
+GEMM changes its blocking at 512 rows of a 1536-wide input, both measured on AVX-512 BF16; on
+AMX machines oneDNN chooses between AMX and AVX-512 kernels by shape). So `tiled_mm` calls the
+GEMM with exactly a fixed number of rows each time, the last call zero-padded. Then a prompt
+computed whole, in chunks or from the prefix cache, a request alone or batched, and a preempted
+one recomputed all give the same logprobs bit for bit.
+
+A quantized layer takes part by having `unpacked_numel()` (0: it cannot) and
+`unpack_into(flat)` (its weight as bf16 [in, out], possibly a transposed view, written into
+`flat`)."""
 
 from __future__ import annotations
 
@@ -22,9 +29,50 @@ from typing import Any
 import torch
 from torch import nn
 
-from server.models.linear import PROMPT_TILE, tiled_mm
-
 UNPACKED_DTYPE = torch.bfloat16
+
+# Rows per GEMM call: prompt rows (of dense layers, and of quantized layers through their
+# unpacked weights) and generated rows of dense layers, the LM head's sampling rows included.
+# Measured (bf16, AVX-512 BF16): a call of 8 rows costs 1.1-1.4x one of 1 row, 16 rows 1.5-1.8x;
+# smollm2-135m:bf16 decodes 26/270/277 tok/s at 1/16/32 sequences with tiles of 8, 23/320/321
+# with 16. Prompts in tiles of 32 cost 9% more than 64 at 1,000 tokens and 25% less for a short
+# prompt after a prefix hit.
+PROMPT_TILE = 32
+GENERATED_TILE = 16
+
+
+# A weight bigger than this (an LM head: 49,152 x 576 bf16 is 57 MB) is multiplied a block of
+# columns at a time, every row tile within a block, so it streams from memory once per step
+# instead of once per row tile.
+COLUMN_BLOCK_BYTES = 4 << 20
+
+
+def tiled_mm(x: torch.Tensor, weight_t: torch.Tensor, tile: int) -> torch.Tensor:
+    """x [M, K] @ weight_t [K, N] -> [M, N], in GEMM calls of exactly `tile` rows (the last
+    zero-padded) and, for a big weight, a fixed block of columns: every call of a layer has one
+    of a few shapes fixed by the layer, never by M."""
+    m, (k, n) = x.shape[0], weight_t.shape
+    y = x.new_empty(m, n)
+    cols = max(64, COLUMN_BLOCK_BYTES // (k * weight_t.element_size()) // 64 * 64)
+    padded = None
+    if m % tile:
+        padded = x.new_zeros(tile, k)
+        padded[:m % tile] = x[m - m % tile:]
+    scratch = x.new_empty(tile * min(cols, n))
+    for c in range(0, n, cols):
+        w = weight_t[:, c:c + cols]
+        width = w.shape[1]
+        for i in range(0, m, tile):
+            rows = min(tile, m - i)
+            a = x[i:i + tile] if rows == tile else padded
+            if rows == tile and width == n:  # straight into the output rows
+                torch.mm(a, w, out=y[i:i + tile])
+            else:  # every call writes a contiguous [tile, width] block, as above
+                out = scratch[:tile * width].view(tile, width)
+                torch.mm(a, w, out=out)
+                y[i:i + rows, c:c + width] = out[:rows]
+    return y
+
 # While a prompt spans several steps (a long prompt's paced chunks), the engine keeps every
 # layer's unpacked weight in one block, freed after the step where no prompt goes on, if the
 # block is at most this big; a prompt done in one step unpacks layer by layer into a small

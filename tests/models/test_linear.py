@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from server.models.linear import GENERATED_TILE, PROMPT_TILE, tiled_mm
+from server.quant.rows import GENERATED_TILE, PROMPT_TILE, tiled_mm
 
 SHAPES = [(576, 960), (1536, 576), (576, 49152)]  # q/k/v, down, the LM head (column blocks)
 
