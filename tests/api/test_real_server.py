@@ -62,3 +62,55 @@ def test_vietnamese_stream_has_no_replacement_characters(client, max_tokens):
     assert text == client.completions.create(**kw).choices[0].text
     assert sum(not c.isascii() for c in text) >= 5  # really Vietnamese, multi-byte
     assert len([p for p in pieces if p]) > 10  # really streamed
+
+
+CAT = [{"role": "user", "content": "Invent a name for a cat."}]
+
+
+def seeded_cat(client) -> tuple[str, list, int]:
+    r = client.chat.completions.create(model="smollm2-135m", messages=CAT, temperature=0.9,
+                                       seed=42, max_tokens=24, logprobs=True, top_logprobs=2)
+    lps = [(t.token, t.logprob, [(x.token, x.logprob) for x in t.top_logprobs])
+           for t in r.choices[0].logprobs.content]
+    return r.choices[0].message.content, lps, r.usage.prompt_tokens_details.cached_tokens
+
+
+def test_seeded_request_is_the_same_cold_cached_batched_and_chunked(real_server, real_home,
+                                                                    tmp_path):
+    """The same seeded request, sampled at temperature 0.9, gives the same text and logprobs
+    cold, from the prefix cache, among 8 other requests and with its prompt in 16-token chunks
+    (each server fresh, so "cold" has nothing cached)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from openai import OpenAI
+
+    from tests.api.server import own_server
+
+    fresh = own_server(real_home, tmp_path / "a", [])
+    chunking = own_server(real_home, tmp_path / "b", ["--max-num-batched-tokens", "16",
+                                                      "--no-prefix-caching"])
+    try:
+        with OpenAI(base_url=f"{fresh.url}/v1", api_key="x", max_retries=0, timeout=120) as c:
+            cold = seeded_cat(c)
+            cached = seeded_cat(c)
+            with ThreadPoolExecutor(9) as pool:
+                others = [pool.submit(c.chat.completions.create, model="smollm2-135m",
+                                      messages=[{"role": "user", "content": f"Count to {i}."}],
+                                      max_tokens=16 + 3 * i, temperature=0.7) for i in range(4)]
+                batched = pool.submit(seeded_cat, c)
+                others += [pool.submit(c.chat.completions.create, model="smollm2-135m",
+                                       messages=[{"role": "user", "content": f"Spell {i}."}],
+                                       max_tokens=20, temperature=0.7) for i in range(4)]
+                batched = batched.result()
+                assert all(f.result().choices for f in others)
+        with OpenAI(base_url=f"{chunking.url}/v1", api_key="x", max_retries=0,
+                    timeout=120) as c:
+            chunked = seeded_cat(c)
+    finally:
+        fresh.stop()
+        chunking.stop()
+    assert cold[2] == 0 and cached[2] >= 32 and chunked[2] == 0
+    assert len(cold[1]) > 3 and cold[0].strip()
+    assert cached[:2] == cold[:2]
+    assert batched[:2] == cold[:2]
+    assert chunked[:2] == cold[:2]
