@@ -49,8 +49,12 @@ def test_answers_paris(pulled, real_home, tag):
     assert "Paris" in proc.stdout
 
 
-def test_engine_greedy_equals_transformers_on_bf16(pulled):
-    """The real model's bf16 weights in fp32: our engine's greedy tokens equal transformers'."""
+def test_engine_matches_transformers_on_bf16(pulled):
+    """The real model's bf16 weights in fp32: at every token our engine generates greedily,
+    transformers (teacher-forced on the same tokens) gives the same log-probability, and our
+    token is its top token up to rounding. Compared as fidelity, not as text: at a near tie
+    (this model's first token for "What is the capital of France?" leads by 0.1 nats) two
+    correct implementations may pick different tokens."""
     import torch
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -73,17 +77,21 @@ def test_engine_greedy_equals_transformers_on_bf16(pulled):
                ("What is the capital of France?", "Name three colors.", "Write a haiku.")]
     ours = load_model(stored, cpu, torch.float32).model
     engine = Engine(ours, EngineConfig(num_blocks=64), cpu, torch.float32)
-    seqs = [Sequence(p, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
-            for p in prompts]
+    seqs = [Sequence(p, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True,
+                                       logprobs=True)) for p in prompts]
     for s in seqs:
         engine.add(s)
     while engine.has_unfinished:
         engine.step()
     for s, p in zip(seqs, prompts, strict=True):
         with torch.no_grad():
-            ref = hf.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False,
-                              eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
-        assert s.output_token_ids == ref
+            logits = hf(torch.tensor([p + s.output_token_ids])).logits[0, len(p) - 1:-1]
+        ref = logits.double().log_softmax(-1)  # [20, vocab]: position i predicts token i
+        chosen = torch.tensor(s.output_token_ids)
+        ours_lp = torch.tensor([lp for lp, _ in s.logprobs], dtype=torch.float64)
+        torch.testing.assert_close(ours_lp, ref[torch.arange(len(chosen)), chosen],
+                                   atol=2e-3, rtol=0)
+        assert (ref.max(-1).values - ref[torch.arange(len(chosen)), chosen]).max() < 2e-3
 
 
 def test_tokenizer_equals_transformers(pulled):
