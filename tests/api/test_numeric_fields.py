@@ -80,3 +80,27 @@ def test_file_expiry_seconds(http):
             "purpose": "batch", "expires_after[anchor]": "created_at",
             "expires_after[seconds]": str(value)})
         check(r, "expires_after.seconds")
+
+
+def test_batch_expiry_and_lines_with_huge_numbers(client, http):
+    """The batch API's own numbers, and the same values inside batch lines: each line ends in
+    the output (200) or the error file (400), never a 5xx, and the batch completes."""
+    from tests.api.test_batches import chat_line, read_lines, submit, wait
+
+    f = client.files.create(file=("in.jsonl", b""), purpose="batch")
+    for value in VALUES:
+        r = http.post("/v1/batches", json={
+            "input_file_id": f.id, "endpoint": "/v1/chat/completions",
+            "completion_window": "24h",
+            "output_expires_after": {"anchor": "created_at", "seconds": value}})
+        check(r, "output_expires_after.seconds")
+    fields = [(n, v) for n in ("seed", "n", "top_k", "max_tokens")
+              for v in (2**64, 1e308, -1e308, 0.5)]
+    lines = [chat_line(i, **{name: value}) for i, (name, value) in enumerate(fields)]
+    b = wait(client, submit(client, lines).id, timeout=120)
+    assert b.status == "completed" and b.request_counts.total == len(lines)
+    results = read_lines(client, b.output_file_id) + read_lines(client, b.error_file_id)
+    assert sorted(x["custom_id"] for x in results) == sorted(x["custom_id"] for x in lines)
+    for x in results:
+        status = x["response"]["status_code"] if x.get("response") else 400
+        assert status in (200, 400), x
