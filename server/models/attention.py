@@ -114,10 +114,13 @@ def build_metadata(
             ctx = pos_list[i] + j + 1
             decode[low_precision and ctx <= FP32_DECODE_MAX_CONTEXT].append(
                 (i, start_list[i] + j, ctx))
-    groups = [_decode_group(e, tables, block_size, device, fp32)
-              for e, fp32 in [(decode[True], True), (decode[False], False)] if e] + groups
-    if len(groups) == 1 and groups[0].first_tile < 0 and groups[0].valid.numel() == num_tokens:
-        groups[0].whole_step = bool((groups[0].dest == torch.arange(num_tokens)).all())
+    decode_entries = [(e, fp32) for e, fp32 in [(decode[True], True), (decode[False], False)] if e]
+    # Decodes only, all in one group, in step order: the layers skip gathering the queries.
+    whole_step = not groups and len(decode_entries) == 1 and [
+        token for _, token, _ in decode_entries[0][0]] == list(range(num_tokens))
+    groups = [_decode_group(e, tables, block_size, device, fp32) for e, fp32 in decode_entries
+              ] + groups
+    groups[0].whole_step = whole_step
     return AttentionMetadata(
         positions=positions.to(device),
         slot_mapping=slot_mapping.to(device),
