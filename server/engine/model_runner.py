@@ -9,8 +9,9 @@ import torch
 from server.engine.sampler import Sampler, chosen_first
 from server.engine.scheduler import SchedulerOutput
 from server.models.attention import build_metadata
+from server.models.batch import ForwardBatch
 from server.models.simple import allocate_kv
-from server.quant.rows import UnpackedWeights, row_kinds
+from server.quant.rows import UnpackedWeights, end_step, split_rows
 
 
 @dataclass(slots=True)
@@ -53,12 +54,16 @@ class ModelRunner:
             prompt_lens.append(num_prompt)
             prompt_rows += range(first, first + num_prompt)
             prompts_continue |= start + n < seq.num_prompt_tokens
-        meta = build_metadata(num_new, seq_lens, [s.block_table for s in seqs],
-                              self.block_size, self.device, self.dtype, prompt_lens)
-        with row_kinds(prompt_rows, len(input_ids), self.device, self.unpacked,
-                       prompts_continue):
-            hidden = self.model(torch.tensor(input_ids, device=self.device), self.kv_caches,
-                                meta)
+        batch = ForwardBatch(
+            input_ids=torch.tensor(input_ids, device=self.device),
+            attention=build_metadata(num_new, seq_lens, [s.block_table for s in seqs],
+                                     self.block_size, self.device, self.dtype, prompt_lens),
+            rows=split_rows(prompt_rows, len(input_ids), self.device, self.unpacked,
+                            prompts_continue))
+        try:
+            hidden = self.model(batch, self.kv_caches)
+        finally:
+            end_step(batch.rows)
         # Logits only for the last token of each sequence that samples this step.
         last = torch.tensor(num_new).cumsum(0) - 1
         rows = last[torch.tensor(out.is_sampling, dtype=torch.bool)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from server.quant.rows import GENERATED_TILE, rows_mm, tiled_mm
+from server.quant.rows import GENERATED_TILE, RowSplit, rows_mm, tiled_mm
 
 
 class Linear(nn.Linear):
@@ -13,10 +13,9 @@ class Linear(nn.Linear):
     generated rows each in tiles of their own size (server/quant/rows.py), elsewhere (the LM
     head's sampling rows, evaluation) in tiles of GENERATED_TILE."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rows: RowSplit | None = None) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        weight_t = self.weight.t()
-        y = rows_mm(self, x2, self._generated_mm, weight_t)
+        y = rows_mm(self, x2, rows, self._generated_mm, self.weight.t())
         if y is None:
             y = self._generated_mm(x2)
         y = y.view(*x.shape[:-1], self.out_features)

@@ -13,10 +13,12 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from server.models.attention import AttentionMetadata, paged_attention
+from server.models.attention import paged_attention
+from server.models.batch import ForwardBatch
 from server.models.config import ModelConfig
 from server.models.linear import Linear
 from server.quant import fuse_linears
+from server.quant.rows import RowSplit
 
 
 class RMSNorm(nn.Module):
@@ -86,14 +88,14 @@ class Attention(nn.Module):
         sin: torch.Tensor,  # [T, 1, head_dim]
         k_cache: torch.Tensor,  # [Hkv, num_slots, head_dim]
         v_cache: torch.Tensor,  # [Hkv, num_slots, head_dim]
-        meta: AttentionMetadata,
+        batch: ForwardBatch,
     ) -> torch.Tensor:
-        t = x.shape[0]
+        t, rows, meta = x.shape[0], batch.rows, batch.attention
         if self.qkv_proj is not None:
             nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            q, k, v = self.qkv_proj(x).split([nq, nkv, nkv], dim=-1)
+            q, k, v = self.qkv_proj(x, rows).split([nq, nkv, nkv], dim=-1)
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            q, k, v = self.q_proj(x, rows), self.k_proj(x, rows), self.v_proj(x, rows)
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
@@ -103,7 +105,7 @@ class Attention(nn.Module):
         k = k * cos + rotate_half(k) * sin
         k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
         v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
-        return self.o_proj(paged_attention(q, k_cache, v_cache, meta, self.scale))
+        return self.o_proj(paged_attention(q, k_cache, v_cache, meta, self.scale), rows)
 
 
 class MLP(nn.Module):
@@ -121,12 +123,12 @@ class MLP(nn.Module):
             self.gate_up_proj = fused
             del self.gate_proj, self.up_proj
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rows: RowSplit | None = None) -> torch.Tensor:
         if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            gate, up = self.gate_up_proj(x, rows).chunk(2, dim=-1)
         else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+            gate, up = self.gate_proj(x, rows), self.up_proj(x, rows)
+        return self.down_proj(F.silu(gate) * up, rows)
 
 
 class DecoderLayer(nn.Module):
@@ -137,9 +139,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, cos, sin, k_cache, v_cache, batch: ForwardBatch):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, batch)
+        return x + self.mlp(self.post_attention_layernorm(x), batch.rows)
 
 
 class Backbone(nn.Module):
@@ -172,17 +174,17 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(
         self,
-        input_ids: torch.Tensor,  # [T]
+        batch: ForwardBatch,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer: ([Hkv, slots, D],)*2
-        meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Hidden states after the final norm: [T, hidden]."""
-        x = self.model.embed_tokens(input_ids)
+        x = self.model.embed_tokens(batch.input_ids)
         rope_cos, rope_sin = self._rope_tables(x.device)
-        cos = rope_cos[meta.positions].to(x.dtype)[:, None, :]  # [T, 1, D]
-        sin = rope_sin[meta.positions].to(x.dtype)[:, None, :]
+        positions = batch.attention.positions
+        cos = rope_cos[positions].to(x.dtype)[:, None, :]  # [T, 1, D]
+        sin = rope_sin[positions].to(x.dtype)[:, None, :]
         for layer, (k_cache, v_cache) in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, k_cache, v_cache, meta)
+            x = layer(x, cos, sin, k_cache, v_cache, batch)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

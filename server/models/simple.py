@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from server.models.attention import NULL_SLOT, build_metadata
+from server.models.batch import ForwardBatch
 
 
 def allocate_kv(model: nn.Module, num_slots: int, device, dtype) -> list[tuple[torch.Tensor, ...]]:
@@ -44,7 +45,7 @@ def prompt_logits(model: nn.Module, ids: list[int], chunk: int = 512) -> torch.T
     for start in range(0, len(ids), chunk):
         piece = ids[start:start + chunk]
         meta = build_metadata([len(piece)], [start + len(piece)], [[0]], len(ids), device, dtype)
-        hidden = model(torch.tensor(piece, device=device), kv, meta)
+        hidden = model(ForwardBatch(torch.tensor(piece, device=device), meta), kv)
         out.append(model.compute_logits(hidden))
     return torch.cat(out)
 
@@ -63,7 +64,7 @@ def greedy_generate(
     while len(new) < max_new_tokens:
         seq_len += len(step_ids)
         meta = build_metadata([len(step_ids)], [seq_len], [[0]], total, device, dtype)
-        hidden = model(torch.tensor(step_ids, device=device), kv, meta)
+        hidden = model(ForwardBatch(torch.tensor(step_ids, device=device), meta), kv)
         token = int(model.compute_logits(hidden[-1:]).argmax(-1))
         new.append(token)
         if token in eos_token_ids:

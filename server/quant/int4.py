@@ -13,12 +13,12 @@ from torch import nn
 from torch.nn import functional as F
 
 from server.quant import native
-from server.quant.rows import rows_mm, scratch
+from server.quant.rows import RowSplit, rows_mm
 
 SUPPORTED_GROUP_SIZES = (32, 64, 128, 256)  # what the tinygemm kernels accept
 KERNEL_DTYPE = torch.bfloat16  # tinygemm's activations, scales and zeros
-# Outside an engine step (no row kinds, see rows.py) a CPU int4 layer with this many rows runs
-# the bf16 GEMM on its weight unpacked into a per-thread scratch buffer: 2.0 ms instead of 5.5
+# Outside an engine step (no row split, see rows.py) a CPU int4 layer with this many rows runs
+# the bf16 GEMM on its weight unpacked into a fresh buffer: 2.0 ms instead of 5.5
 # at 512 rows for a 3072x576 projection (unpacking 0.15 ms), less at 64 rows already.
 UNPACK_MIN_ROWS = 64
 
@@ -110,11 +110,11 @@ class Int4Linear(nn.Module):
         # double the int4 weights in memory.
         self.weight = self.weight_scale = self.weight_zero = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rows: RowSplit | None = None) -> torch.Tensor:
         if self.kernel_weight is not None:
             x2 = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)
             if x.device.type == "cpu":
-                y = self._cpu_mm(x2)
+                y = self._cpu_mm(x2, rows)
             else:
                 y = torch.ops.aten._weight_int4pack_mm(
                     x2, self.kernel_weight, self.group_size, self.scales_and_zeros
@@ -130,8 +130,8 @@ class Int4Linear(nn.Module):
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             x2, self.kernel_weight, self.group_size, self.scales_and_zeros)
 
-    def _cpu_mm(self, x2: torch.Tensor) -> torch.Tensor:
-        y = rows_mm(self, x2, self._packed_mm)
+    def _cpu_mm(self, x2: torch.Tensor, rows: RowSplit | None) -> torch.Tensor:
+        y = rows_mm(self, x2, rows, self._packed_mm)
         if y is not None:
             return y
         if x2.shape[0] >= UNPACK_MIN_ROWS and (weight_t := self.unpacked_t()) is not None:
@@ -155,15 +155,14 @@ class Int4Linear(nn.Module):
         return self.unpacked_t(flat[: n * k].view(k, n))
 
     def unpacked_t(self, out: torch.Tensor | None = None) -> torch.Tensor | None:
-        """The CPU kernel's weight as bf16 [in, out] in `out`, or else in this thread's scratch
-        buffer (valid until the next layer's call); None without the compiled helper or for
-        shapes it does not take."""
+        """The CPU kernel's weight as bf16 [in, out] in `out` (default: a new tensor); None
+        without the compiled helper or for shapes it does not take."""
         unpack = self._unpacker()
         n, k = self.out_features, self.in_features
         if unpack is None:
             return None
         if out is None:
-            out = scratch(n * k).view(k, n)
+            out = torch.empty(k, n, dtype=KERNEL_DTYPE)
         if unpack(self.kernel_weight.data_ptr(), self.scales_and_zeros.data_ptr(),
                   out.data_ptr(), n, k, self.group_size, 0, k):
             return None

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from server.quant.rows import rows_mm
+from server.quant.rows import RowSplit, rows_mm
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,10 +44,10 @@ class Int8Linear(nn.Module):
         on_cpu = self.weight.device.type == "cpu"
         self.kernel_scale = self.weight_scale.bfloat16() if use_kernel and on_cpu else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rows: RowSplit | None = None) -> torch.Tensor:
         if self.kernel_scale is not None:
             x2 = x.reshape(-1, self.in_features).bfloat16()
-            y = rows_mm(self, x2, self._packed_mm)  # prompt rows of an engine step: bf16 GEMM
+            y = rows_mm(self, x2, rows, self._packed_mm)  # prompt rows: bf16 GEMM
             if y is None:
                 y = self._packed_mm(x2)
             y = y.view(*x.shape[:-1], self.out_features).to(x.dtype)

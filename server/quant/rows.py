@@ -21,10 +21,8 @@ A quantized layer takes part by having `unpacked_numel()` (0: it cannot) and
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -79,18 +77,6 @@ def tiled_mm(x: torch.Tensor, weight_t: torch.Tensor, tile: int) -> torch.Tensor
 # reused scratch buffer instead (a fresh 214 MB block costs ~35 ms of page faults).
 UNPACKED_MAX_BYTES = 1 << 30
 
-_step = threading.local()  # the row kinds of the forward running in this thread
-_scratch = threading.local()  # per thread: one bf16 buffer reused by every layer in turn
-
-
-def scratch(numel: int) -> torch.Tensor:
-    """This thread's scratch buffer of at least `numel` bf16 values (valid until next use)."""
-    buf = getattr(_scratch, "buf", None)
-    if buf is None or buf.numel() < numel:
-        buf = _scratch.buf = torch.empty(numel, dtype=UNPACKED_DTYPE)
-    return buf[:numel]
-
-
 class UnpackedWeights:
     """The bf16 copies of a model's quantized layers, made on demand and dropped together."""
 
@@ -107,6 +93,13 @@ class UnpackedWeights:
         self.numel = total if total * 2 <= UNPACKED_MAX_BYTES else 0
         self.block: torch.Tensor | None = None
         self.views: dict[int, torch.Tensor] = {}
+        self.buffer: torch.Tensor | None = None  # the scratch buffer every layer reuses in turn
+
+    def scratch(self, numel: int) -> torch.Tensor:
+        """The scratch buffer, at least `numel` bf16 values (valid until the next layer's)."""
+        if self.buffer is None or self.buffer.numel() < numel:
+            self.buffer = torch.empty(numel, dtype=UNPACKED_DTYPE)
+        return self.buffer[:numel]
 
     def get(self, layer: nn.Module, keep: bool) -> torch.Tensor | None:
         """The layer's bf16 [in, out] weight; None when the layer cannot (it then keeps its
@@ -120,7 +113,7 @@ class UnpackedWeights:
         if place is None:
             return None
         if not keep or not self.numel:
-            return layer.unpack_into(scratch(place[1]))
+            return layer.unpack_into(self.scratch(place[1]))
         if self.block is None:
             self.block = torch.empty(self.numel, dtype=UNPACKED_DTYPE)
         view = layer.unpack_into(self.block[place[0]:place[0] + place[1]])
@@ -132,51 +125,58 @@ class UnpackedWeights:
         self.block, self.views = None, {}
 
 
-@contextlib.contextmanager
-def row_kinds(prompt_rows: list[int], num_rows: int, device: torch.device,
-              unpacked: UnpackedWeights, prompts_continue: bool = False) -> Iterator[None]:
-    """Within an engine step: rows `prompt_rows` of the flat batch hold prompt tokens;
-    `prompts_continue`: some prompt still has tokens left for later steps. The kept unpacked
-    weights are released after a step that no prompt continues past."""
-    if not prompt_rows:
-        kinds: Any = "generated"
-    elif len(prompt_rows) == num_rows:
-        kinds = "prompt"
+Rows = slice | torch.Tensor  # a run of rows, or their indices
+
+
+@dataclass(slots=True, frozen=True)
+class RowSplit:
+    """Which rows of an engine step's flat batch hold prompt tokens and which generated ones,
+    and where quantized layers find their unpacked weights for the prompt rows. Built once per
+    step by the runner (split_rows) and handed to every layer."""
+
+    prompt: Rows | None  # None: no prompt rows
+    generated: Rows | None  # None: no generated rows
+    unpacked: UnpackedWeights
+    keep: bool  # some prompt goes on in a later step: keep the unpacked weights until then
+
+
+def split_rows(prompt_rows: list[int], num_rows: int, device: torch.device,
+               unpacked: UnpackedWeights, prompts_continue: bool = False) -> RowSplit:
+    """Rows `prompt_rows` of `num_rows` hold prompt tokens; `prompts_continue`: some prompt
+    still has tokens left for later steps."""
+    if not prompt_rows or len(prompt_rows) == num_rows:
+        whole = slice(0, num_rows)
+        prompt, generated = (whole, None) if prompt_rows else (None, whole)
     elif prompt_rows[0] + len(prompt_rows) == num_rows:  # the usual case: prompts come last
-        kinds = prompt_rows[0]
+        prompt, generated = slice(prompt_rows[0], num_rows), slice(0, prompt_rows[0])
     else:
-        prompt = set(prompt_rows)
-        kinds = (torch.tensor(prompt_rows, device=device),
-                 torch.tensor([i for i in range(num_rows) if i not in prompt], device=device))
-    _step.kinds, _step.unpacked, _step.keep = kinds, unpacked, prompts_continue
-    try:
-        yield
-    finally:
-        _step.kinds = _step.unpacked = None
-        if not prompts_continue:
-            unpacked.release()
+        chosen = set(prompt_rows)
+        prompt = torch.tensor(prompt_rows, device=device)
+        generated = torch.tensor([i for i in range(num_rows) if i not in chosen], device=device)
+    return RowSplit(prompt, generated, unpacked, prompts_continue)
 
 
-def rows_mm(layer: nn.Module, x2: torch.Tensor,
+def end_step(rows: RowSplit) -> None:
+    """After the step's forward: the kept unpacked weights go once no prompt continues."""
+    if not rows.keep:
+        rows.unpacked.release()
+
+
+def rows_mm(layer: nn.Module, x2: torch.Tensor, rows: RowSplit | None,
             packed_mm: Callable[[torch.Tensor], torch.Tensor],
             weight_t: torch.Tensor | None = None) -> torch.Tensor | None:
     """x2 @ weight for an engine step's rows, each through its kind's kernel: generated rows
     through `packed_mm`, prompt rows through a GEMM on `weight_t` (a dense layer's own weight)
     or else on the layer's unpacked weight. None outside an engine step (the caller decides)."""
-    kinds = getattr(_step, "kinds", None)
-    if kinds is None:
+    if rows is None:
         return None
-    if weight_t is None and kinds != "generated":
-        weight_t = _step.unpacked.get(layer, _step.keep)
-    if kinds == "generated" or weight_t is None:
+    if rows.prompt is not None and weight_t is None:
+        weight_t = rows.unpacked.get(layer, rows.keep)
+    if rows.prompt is None or weight_t is None:
         return packed_mm(x2)
-    if kinds == "prompt":
+    if rows.generated is None:
         return tiled_mm(x2, weight_t, PROMPT_TILE)
     y = x2.new_empty(x2.shape[0], weight_t.shape[1])
-    if isinstance(kinds, int):  # rows [kinds, end) are the prompt rows
-        y[:kinds] = packed_mm(x2[:kinds])
-        y[kinds:] = tiled_mm(x2[kinds:], weight_t, PROMPT_TILE)
-        return y
-    prompt, generated = kinds
-    y.index_copy_(0, prompt, tiled_mm(x2.index_select(0, prompt), weight_t, PROMPT_TILE))
-    return y.index_copy_(0, generated, packed_mm(x2.index_select(0, generated)))
+    y[rows.generated] = packed_mm(x2[rows.generated])
+    y[rows.prompt] = tiled_mm(x2[rows.prompt], weight_t, PROMPT_TILE)
+    return y

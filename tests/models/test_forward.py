@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from server.models.attention import build_metadata
+from server.models.batch import ForwardBatch
 from server.models.loader import build_model
 from server.models.simple import allocate_kv, greedy_generate, prompt_logits
 from server.quant import quantize_state_dict
@@ -72,10 +73,10 @@ def test_mixed_batch_equals_each_sequence_alone():
         v[:, :-1].fill_(float("nan"))
     for seq, table, upto in ((a, tables[0], 19), (b, tables[1], 8), (c, tables[2], 20)):
         meta = build_metadata([upto], [upto], [table], block, CPU)
-        ours(torch.tensor(seq[:upto]), kv, meta)
+        ours(ForwardBatch(torch.tensor(seq[:upto]), meta), kv)
     meta = build_metadata([1, 1, 5], [20, 9, 25], tables, block, CPU)
     step_ids = torch.tensor([a[19], b[8], *c[20:25]])
-    logits = ours.compute_logits(ours(step_ids, kv, meta))  # [7, vocab]
+    logits = ours.compute_logits(ours(ForwardBatch(step_ids, meta), kv))  # [7, vocab]
     torch.testing.assert_close(logits[0], solo[0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(logits[1], solo[1], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(logits[2:], solo[2], atol=1e-5, rtol=1e-5)

@@ -164,8 +164,8 @@ def test_native_helper_falls_back(cc, tmp_path, monkeypatch):
     x = torch.randn(80, 64).bfloat16()
     packed = layer._packed_mm(x)
     assert torch.equal(layer(x), packed)  # past UNPACK_MIN_ROWS, outside a step
-    with rows.row_kinds(list(range(80)), 80, torch.device("cpu"), rows.UnpackedWeights(layer)):
-        assert torch.equal(layer(x), packed)  # all prompt rows, inside a step
+    split = rows.split_rows(list(range(80)), 80, torch.device("cpu"), rows.UnpackedWeights(layer))
+    assert torch.equal(layer(x, split), packed)  # all prompt rows, inside a step
 
 
 @pytest.mark.parametrize("prompt_rows", [[0, 1, 2, 3], [5, 6, 7], [2, 3, 6], []])
@@ -182,15 +182,18 @@ def test_int4_rows_take_their_kinds_path_wherever_they_sit(prompt_rows, tmp_path
     layer.weight, layer.weight_scale, layer.weight_zero = pack_int4(q), scale, zero
     layer.prepare(use_kernel=True)
     x = torch.randn(8, 64).bfloat16()
-    alone_prompt = torch.mm(x, layer.unpacked_t().clone())
-    alone_generated = layer._packed_mm(x)
+    weight_t = layer.unpacked_t().clone()
+    alone_prompt = torch.cat([rows.tiled_mm(x[i:i + 1], weight_t, rows.PROMPT_TILE)
+                              for i in range(8)])
+    alone_generated = torch.cat([layer._packed_mm(x[i:i + 1]) for i in range(8)])
     for cap, keep in ((rows.UNPACKED_MAX_BYTES, True), (rows.UNPACKED_MAX_BYTES, False),
                       (0, True)):  # kept between steps, or unpacked into the scratch buffer
         monkeypatch.setattr(rows, "UNPACKED_MAX_BYTES", cap)
         unpacked = rows.UnpackedWeights(layer)
         for _ in range(2):
-            with rows.row_kinds(prompt_rows, 8, torch.device("cpu"), unpacked, keep):
-                y = layer(x)
+            split = rows.split_rows(prompt_rows, 8, torch.device("cpu"), unpacked, keep)
+            y = layer(x, split)
+            rows.end_step(split)
             for i in range(8):
                 want = alone_prompt[i] if i in prompt_rows else alone_generated[i]
                 assert torch.equal(y[i], want), (cap, keep, i)
