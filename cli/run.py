@@ -22,7 +22,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from server.engine.engine import EngineConfig, load_engine
+    from server.engine.async_engine import load_engine
+    from server.engine.engine import EngineConfig
     from server.engine.sequence import SamplingParams
     from server.models.tokenizer import chat_prompt_ids
     from storage.models import ModelStore
@@ -34,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     engine = load_engine(stored, EngineConfig(max_num_seqs=4, kv_cache_bytes=kv_bytes),
                          args.device, args.dtype)
     messages: list[dict[str, str]] = []
-    context = engine.engine.max_model_len
+    context = engine.max_model_len
 
     async def answer(prompt: str) -> None:
         messages.append({"role": "user", "content": prompt})

@@ -45,7 +45,7 @@ async def health(request: Request) -> Response:
 
 async def prometheus(request: Request) -> Response:
     state: ServerState = request.app.state.server
-    stats = state.engine.engine.stats() if state.engine is not None else None
+    stats = state.engine.stats() if state.engine is not None else None
     return PlainTextResponse(metrics.render(state.served_name, state.metrics, stats),
                              media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -91,7 +91,7 @@ class DrainMiddleware:
 
 def load_into(state: ServerState) -> None:
     """Resolve, verify and load the model (runs in a worker thread)."""
-    from server.engine.engine import load_engine
+    from server.engine.async_engine import load_engine
     from storage.models import ModelStore
 
     s = state.settings

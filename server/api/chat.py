@@ -23,7 +23,7 @@ from server.api.serving import (
     usage,
     with_max_tokens,
 )
-from server.engine.engine import CompletionChunk
+from server.engine.async_engine import CompletionChunk
 from server.models.tokenizer import chat_prompt_ids
 
 SYSTEM_FINGERPRINT = "localserve"

@@ -26,7 +26,7 @@ from server.api.serving import (
     usage,
     with_max_tokens,
 )
-from server.engine.engine import CompletionChunk
+from server.engine.async_engine import CompletionChunk
 
 
 async def create_completion(request: Request) -> Response:

@@ -21,7 +21,8 @@ from server.api.errors import APIError, invalid, model_not_found
 from server.api.metrics import ApiMetrics
 from server.api.sse import sse_response
 from server.api.usage import Prices, UsageMeter
-from server.engine.engine import AsyncEngine, CompletionChunk, EngineConfig
+from server.engine.async_engine import AsyncEngine, CompletionChunk
+from server.engine.engine import ConfigError, EngineConfig, at_least
 from server.engine.scheduler import RequestTooLargeError
 from server.engine.sequence import PRIORITY_INTERACTIVE, SamplingParams
 from server.models.tokenizer import byte_to_unicode
@@ -50,6 +51,13 @@ class ServerSettings:
     batch_max_running: int = 16  # batch lines in the engine at once
     max_file_bytes: int = 200 << 20
     max_batch_lines: int = 50_000
+
+    def __post_init__(self) -> None:
+        at_least(self, 1, "max_pending", "max_body_bytes", "threads", "batch_window_seconds",
+                 "batch_max_running", "max_file_bytes", "max_batch_lines")
+        at_least(self, 0, "drain_timeout")
+        if any(not key.strip() for key in self.api_keys):
+            raise ConfigError("api_keys", "must not be empty")
 
 
 class ServerState:
@@ -106,10 +114,8 @@ class ServerState:
 
     def attach(self, engine: AsyncEngine, served_name: str) -> None:
         self.engine, self.tokenizer, self.served_name = engine, engine.tokenizer, served_name
-        e = engine.engine
-        self.vocab_size = e.runner.model.config.vocab_size
-        bm = e.block_manager
-        self.max_request_tokens = min(e.max_model_len, len(bm.blocks) * bm.block_size)
+        self.vocab_size = engine.vocab_size
+        self.max_request_tokens = engine.max_request_tokens
 
     def ready_engine(self) -> AsyncEngine:
         if self.engine is None:

@@ -16,6 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from server.api.errors import invalid
+from server.engine.engine import ConfigError, at_least
 
 
 @dataclass(slots=True)
@@ -25,6 +26,11 @@ class Prices:
     input_per_million: float = 0.10
     output_per_million: float = 0.40
     batch_discount: float = 0.5
+
+    def __post_init__(self) -> None:
+        at_least(self, 0, "input_per_million", "output_per_million", "batch_discount")
+        if not self.batch_discount <= 1:
+            raise ConfigError("batch_discount", f"must be within 0..1, got {self.batch_discount}")
 
     def cost(self, kind: str, prompt_tokens: int, completion_tokens: int) -> float:
         factor = 1.0 - self.batch_discount if kind == "batch" else 1.0

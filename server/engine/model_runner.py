@@ -37,6 +37,10 @@ class ModelRunner:
         self.sampler = Sampler()
         self.unpacked = UnpackedWeights(model)  # int4 layers' bf16 copies while prompts run
 
+    def release(self, seq) -> None:
+        """A sequence left the engine: drop its sampling state (its seeded generator)."""
+        self.sampler.release(seq)
+
     @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> StepResult:
         seqs, num_new = out.seqs, out.num_new_tokens

@@ -5,8 +5,8 @@ Running sequences are served first, most important first: a decoding sequence ne
 token, a sequence still prefilling takes the next chunk of its prompt. Waiting requests then
 fill what is left of the budget, in priority order. A request joins at the next step; a
 finished one leaves at once and its blocks serve the next step. In a step with decodes, chunks
-of long prompts (over `long_prompt_tokens`) are also capped by `prefill_tokens_with_decodes`
-(set by the engine from measured step times), so a long prompt arriving cannot stall running
+of long prompts (over `long_prompt_tokens`) are also capped by the pacer the scheduler is given
+(pacing.py: sized from measured step times), so a long prompt arriving cannot stall running
 streams for one giant step; short prompts are not held back (that would only trade their TTFT
 and the server's throughput for a little inter-token latency).
 """
@@ -16,9 +16,15 @@ from __future__ import annotations
 import bisect
 import itertools
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from server.engine.block_manager import BlockManager
 from server.engine.sequence import Sequence, SequenceStatus
+
+
+class Pacer(Protocol):
+    def cap(self) -> int | None:
+        """Tokens of long prompts a step may compute when it also decodes (None: the budget)."""
 
 
 class RequestTooLargeError(ValueError):
@@ -52,6 +58,7 @@ class Scheduler:
         max_model_len: int = 2048,
         max_num_shared_seqs: int | None = None,
         long_prompt_tokens: int = 256,
+        pacer: Pacer | None = None,
     ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
@@ -59,8 +66,7 @@ class Scheduler:
         # work) compute at most this many per step, so steps stay short for the top ones.
         self.max_num_shared_seqs = max_num_shared_seqs or max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        # Tokens of long prompts a step may compute when it also decodes (None: the budget).
-        self.prefill_tokens_with_decodes: int | None = None
+        self.pacer = pacer  # caps long prompts' chunks in steps that decode (None: no cap)
         self.long_prompt_tokens = long_prompt_tokens
         self.max_model_len = max_model_len
         self.waiting: list[Sequence] = []  # sorted by (priority, order of arrival)
@@ -110,6 +116,11 @@ class Scheduler:
         seq.status = status
 
     @property
+    def prefill_tokens_with_decodes(self) -> int | None:
+        """The pacer's cap for this step (None: no pacer, or no cap yet)."""
+        return self.pacer.cap() if self.pacer is not None else None
+
+    @property
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -134,9 +145,10 @@ class Scheduler:
         top = min((x.priority for x in (*self.running[:1], *self.waiting[:1])), default=0)
         num_shared = 0
         prefill_left = budget
-        if self.prefill_tokens_with_decodes is not None and any(
+        cap = self.prefill_tokens_with_decodes
+        if cap is not None and any(
                 s.num_tokens - s.num_computed_tokens == 1 for s in self.running):
-            prefill_left = self.prefill_tokens_with_decodes
+            prefill_left = cap
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]

@@ -9,7 +9,7 @@ import pytest
 
 from server.api.app import create_app
 from server.api.serving import ServerSettings, ServerState
-from server.engine.engine import CompletionChunk
+from server.engine.async_engine import CompletionChunk
 from tests.helpers import make_tokenizer
 
 

@@ -7,7 +7,8 @@ import asyncio
 import pytest
 import torch
 
-from server.engine.engine import AsyncEngine, Engine, EngineConfig
+from server.engine.async_engine import AsyncEngine
+from server.engine.engine import Engine, EngineConfig
 from server.engine.scheduler import RequestTooLargeError
 from server.engine.sequence import SamplingParams, Sequence
 from server.models.loader import build_model

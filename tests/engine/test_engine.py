@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from server.engine.engine import MIN_PREFILL_CHUNK, Engine, EngineConfig, PrefillPacer
+from server.engine.engine import Engine, EngineConfig
+from server.engine.pacing import MIN_PREFILL_CHUNK, PrefillPacer
 from server.engine.scheduler import RequestTooLargeError
 from server.engine.sequence import PRIORITY_BATCH, SamplingParams, Sequence, SequenceStatus
 from server.models.loader import build_model

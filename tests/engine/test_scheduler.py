@@ -8,6 +8,7 @@ from collections import Counter
 import pytest
 
 from server.engine.block_manager import BlockManager
+from server.engine.pacing import FixedCap
 from server.engine.scheduler import RequestTooLargeError, Scheduler
 from server.engine.sequence import (
     PRIORITY_BATCH,
@@ -55,7 +56,7 @@ def test_chunked_prefill_splits_the_budget_and_decode_goes_first():
 
 def test_long_prompt_chunks_are_capped_in_steps_that_decode():
     s = make(budget=64)
-    s.prefill_tokens_with_decodes, s.long_prompt_tokens = 6, 20
+    s.pacer, s.long_prompt_tokens = FixedCap(6), 20
     a, b = seq(3, max_tokens=20, start=100), seq(3, max_tokens=20, start=200)
     s.add(a)
     s.add(b)
@@ -69,14 +70,14 @@ def test_long_prompt_chunks_are_capped_in_steps_that_decode():
     assert out.seqs == [a, b, long, short] and out.num_new_tokens == [1, 1, 6, 10]
     out, _ = step(s)
     assert out.seqs == [a, b, long, short] and out.num_new_tokens == [1, 1, 6, 1]
-    s.prefill_tokens_with_decodes = None
+    s.pacer = FixedCap(None)
     out, _ = step(s)  # no cap: the rest of the prompt in one chunk
     assert out.seqs == [a, b, long, short] and out.num_new_tokens == [1, 1, 28, 1]
 
 
 def test_capped_long_prompt_lets_short_ones_behind_it_in():
     s = make(budget=64)
-    s.prefill_tokens_with_decodes, s.long_prompt_tokens = 4, 20
+    s.pacer, s.long_prompt_tokens = FixedCap(4), 20
     a = seq(3, max_tokens=20, start=100)
     s.add(a)
     step(s)
@@ -240,7 +241,7 @@ def check_accounting(s: Scheduler):
 def test_randomized_schedule_keeps_block_accounting(seed, prefill_cap):
     rng = random.Random(seed)
     s = make(num_blocks=24, block_size=4, max_num_seqs=6, budget=20, max_model_len=96)
-    s.prefill_tokens_with_decodes, s.long_prompt_tokens = prefill_cap, 12
+    s.pacer, s.long_prompt_tokens = FixedCap(prefill_cap), 12
     live = []
     shared = list(range(1000, 1012))  # common prefix for cache hits
     for _ in range(300):
