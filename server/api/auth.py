@@ -6,6 +6,7 @@ import hashlib
 import hmac
 
 from starlette.datastructures import Headers
+from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from server.api.errors import APIError
@@ -46,3 +47,8 @@ class AuthMiddleware:
             if hmac.compare_digest(given, key):
                 match = key
         return match.decode() if match is not None else None
+
+
+def tenant(request: Request) -> str:
+    """The prefix-cache salt and owner of stored objects: set by the auth middleware."""
+    return request.scope.get("localserve.tenant", "")

@@ -7,11 +7,12 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from server.api.auth import tenant
 from server.api.body import read_json
 from server.api.errors import APIError, invalid, unsupported
 from server.api.files import expires_after, int_param, owned_row, page
 from server.api.protocol import Fields
-from server.api.serving import ServerState, tenant
+from server.api.serving import ServerState
 from storage.batches import batch_object
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")

@@ -9,8 +9,9 @@ from starlette.datastructures import UploadFile
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
 
+from server.api.auth import tenant
 from server.api.errors import APIError, invalid
-from server.api.serving import ServerState, tenant
+from server.api.serving import ServerState
 from storage.files import file_object
 
 PURPOSES = ("batch",)

@@ -16,6 +16,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from server.api.auth import tenant
 from server.api.body import read_json
 from server.api.errors import APIError, invalid, model_not_found
 from server.api.metrics import ApiMetrics
@@ -194,11 +195,6 @@ def _add_usage_rows(db: Database, rows: list[dict[str, Any]]) -> None:
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def tenant(request: Request) -> str:
-    """The prefix-cache salt and owner of stored objects: set by the auth middleware."""
-    return request.scope.get("localserve.tenant", "")
 
 
 async def off_loop(fn: Callable, *args) -> Any:

@@ -15,6 +15,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from server.api.auth import tenant
 from server.api.errors import invalid
 from server.engine.engine import ConfigError, at_least
 
@@ -89,8 +90,6 @@ def _date(request: Request, name: str) -> str | None:
 
 async def get_usage(request: Request) -> Response:
     """Tokens and cost by day, API key and kind (interactive / batch) for the caller's key."""
-    from server.api.serving import tenant
-
     state = request.app.state.server
     start, end = _date(request, "start_date"), _date(request, "end_date")
     await state.flush_usage()

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from server.quant import native
+import server.quant.native as native
 from server.quant.rows import RowSplit, rows_mm
 
 SUPPORTED_GROUP_SIZES = (32, 64, 128, 256)  # what the tinygemm kernels accept
