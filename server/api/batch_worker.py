@@ -164,10 +164,9 @@ class BatchWorker:
         if not isinstance(body, dict):
             return _error("invalid_body", "body", "The body must be a JSON object.")
         model = body.get("model")
-        served = self.state.served_name
-        if model not in (served, served.split(":")[0]):
+        if not self.state.serves(model):
             return _error("model_not_found", "body.model", f"The model {model!r} is not "
-                          f"served here (this server serves {served!r}).")
+                          f"served here (this server serves {self.state.served_name!r}).")
         return custom_id, json.dumps(body, ensure_ascii=False)
 
     # -- running -----------------------------------------------------------------------------

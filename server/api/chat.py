@@ -20,9 +20,9 @@ from server.api.serving import (
     off_loop,
     respond,
     stream_engine,
-    usage,
     with_max_tokens,
 )
+from server.api.usage import TokenCount
 from server.engine.async_engine import CompletionChunk
 from server.models.tokenizer import chat_prompt_ids
 
@@ -80,19 +80,17 @@ async def _collect(state: ServerState, req: ChatRequest, rid: str,
     texts: list[list[str]] = [[] for _ in range(n)]
     logprobs: list[list[dict]] = [[] for _ in range(n)]
     finish: list[str | None] = [None] * n
-    num_output = [0] * n
-    num_cached = 0
+    count = TokenCount(num_prompt)
     token_text = TokenText(state.tokenizer)
     async for chunk in chunks:
         i = chunk.index
         texts[i].append(chunk.text)
+        count.add(chunk)
         lp = _logprobs(token_text, chunk)
         if lp is not None:
             logprobs[i] += lp["content"]
         if chunk.finish_reason is not None:
-            finish[i], num_output[i] = chunk.finish_reason, chunk.num_output_tokens
-            if i == 0:
-                num_cached = chunk.num_cached_tokens
+            finish[i] = chunk.finish_reason
     choices = [{
         "index": i,
         "message": {"role": "assistant", "content": "".join(texts[i]), "refusal": None},
@@ -101,7 +99,7 @@ async def _collect(state: ServerState, req: ChatRequest, rid: str,
     } for i in range(n)]
     return {"id": rid, "object": "chat.completion", "created": int(time.time()),
             "model": state.served_name, "choices": choices,
-            "usage": usage(num_prompt, sum(num_output), num_cached),
+            "usage": count.usage(),
             "system_fingerprint": SYSTEM_FINGERPRINT}
 
 
@@ -120,17 +118,15 @@ async def _stream(state: ServerState, req: ChatRequest, rid: str,
 
     for i in range(req.params.n):
         yield event(i, {"role": "assistant", "content": ""})
-    num_output, num_cached = 0, 0
+    count = TokenCount(num_prompt)
     async for chunk in chunks:
+        count.add(chunk)
         lp = _logprobs(token_text, chunk)
         if chunk.text or lp is not None:
             yield event(chunk.index, {"content": chunk.text}, logprobs=lp)
         if chunk.finish_reason is not None:
-            num_output += chunk.num_output_tokens
-            if chunk.index == 0:
-                num_cached = chunk.num_cached_tokens
             yield event(chunk.index, {}, chunk.finish_reason)
     if req.include_usage:
         yield {"id": rid, "object": "chat.completion.chunk", "created": created,
                "model": state.served_name, "system_fingerprint": SYSTEM_FINGERPRINT,
-               "choices": [], "usage": usage(num_prompt, num_output, num_cached)}
+               "choices": [], "usage": count.usage()}

@@ -23,9 +23,9 @@ from server.api.serving import (
     off_loop,
     respond,
     stream_engine,
-    usage,
     with_max_tokens,
 )
+from server.api.usage import TokenCount
 from server.engine.async_engine import CompletionChunk
 
 
@@ -67,12 +67,10 @@ class _Run:
     def __init__(self, state: ServerState, req: CompletionRequest, rid: str,
                  prompt_ids: list[list[int]], echoes: list[str] | None) -> None:
         self.state, self.req, self.rid = state, req, rid
-        self.num_prompt = sum(map(len, prompt_ids))
+        self.count = TokenCount(sum(map(len, prompt_ids)))
         self.echoes = echoes
         self.n = req.params.n
         self.num_choices = len(prompt_ids) * self.n
-        self.num_output = 0
-        self.num_cached = 0
         self.token_text = TokenText(state.tokenizer)
         self.offsets = [0] * self.num_choices  # characters emitted per choice (text_offset)
         self.created = int(time.time())
@@ -82,10 +80,7 @@ class _Run:
         text = chunk.text
         if first and self.echoes is not None:
             text = self.echoes[prompt] + text
-        if chunk.finish_reason is not None:
-            self.num_output += chunk.num_output_tokens
-            if chunk.index == 0:
-                self.num_cached += chunk.num_cached_tokens
+        self.count.add(chunk, index, prompt)
         return {"index": index, "text": text, "logprobs": self._logprobs(index, chunk),
                 "finish_reason": chunk.finish_reason}
 
@@ -124,7 +119,7 @@ class _Run:
                 for key, values in part["logprobs"].items():
                     have["logprobs"][key] += values
         out = self._object(choices)
-        out["usage"] = usage(self.num_prompt, self.num_output, self.num_cached)
+        out["usage"] = self.count.usage()
         return out
 
     async def stream(self, chunks: AsyncIterator[tuple[int, CompletionChunk]]
@@ -138,5 +133,4 @@ class _Run:
             if choice["text"] or choice["logprobs"] or choice["finish_reason"]:
                 yield self._object([choice]) | extra
         if self.req.include_usage:
-            yield self._object([]) | {"usage": usage(self.num_prompt, self.num_output,
-                                                     self.num_cached)}
+            yield self._object([]) | {"usage": self.count.usage()}

@@ -21,7 +21,7 @@ from server.api.body import read_json
 from server.api.errors import APIError, invalid, model_not_found
 from server.api.metrics import ApiMetrics
 from server.api.sse import sse_response
-from server.api.usage import Prices, UsageMeter
+from server.api.usage import Prices, TokenCount, UsageMeter
 from server.engine.async_engine import AsyncEngine, CompletionChunk
 from server.engine.engine import ConfigError, EngineConfig, at_least
 from server.engine.scheduler import RequestTooLargeError
@@ -125,8 +125,12 @@ class ServerState:
             raise APIError(503, message, code="model_not_ready", headers={"Retry-After": "2"})
         return self.engine
 
+    def serves(self, name: object) -> bool:
+        """`name` is the served model: its full name or its bare alias."""
+        return name in (self.served_name, self.served_name.split(":")[0])
+
     def check_model(self, name: str) -> None:
-        if name not in (self.served_name, self.served_name.split(":")[0]):
+        if not self.serves(name):
             raise model_not_found(name)
 
     def acquire(self) -> None:
@@ -232,15 +236,13 @@ async def stream_engine(
     first = True
     m = state.metrics
     num_open = params.n
-    num_output = [0] * params.n
-    num_cached = 0
+    count = TokenCount(len(prompt_ids))  # what the request used so far, even if abandoned
     try:
         async for chunk in engine.generate(prompt_ids, params, priority, salt, request_id):
             now = time.perf_counter()
             (m.ttft if first else m.itl).observe(now - last)
             first, last = False, now
-            num_output[chunk.index] = chunk.num_output_tokens
-            num_cached = chunk.num_cached_tokens if chunk.index == 0 else num_cached
+            count.add(chunk)
             if chunk.finish_reason is not None:
                 m.finished[chunk.finish_reason] += 1
                 num_open -= 1
@@ -249,8 +251,8 @@ async def stream_engine(
     finally:
         m.finished["abort"] += num_open  # the client left (or the request failed)
         if priority == PRIORITY_INTERACTIVE:  # batch lines count when their result is stored
-            state.usage.add(salt, "interactive", state.served_name, len(prompt_ids),
-                            sum(num_output), num_cached)
+            state.usage.add(salt, "interactive", state.served_name, count.num_prompt,
+                            count.num_output, count.num_cached)
             state.usage_added()
 
 
@@ -335,8 +337,3 @@ class TokenText:
             hit = self._cache[token_id] = (text, list(raw))
         return hit
 
-
-def usage(num_prompt: int, num_completion: int, num_cached: int) -> dict[str, Any]:
-    return {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
-            "total_tokens": num_prompt + num_completion,
-            "prompt_tokens_details": {"cached_tokens": num_cached}}

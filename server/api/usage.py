@@ -20,6 +20,40 @@ from server.api.errors import invalid
 from server.engine.engine import ConfigError, at_least
 
 
+def usage(num_prompt: int, num_completion: int, num_cached: int) -> dict[str, Any]:
+    """OpenAI's usage object."""
+    return {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
+            "total_tokens": num_prompt + num_completion,
+            "prompt_tokens_details": {"cached_tokens": num_cached}}
+
+
+class TokenCount:
+    """A request's tokens as its chunks arrive: every choice's output so far and the cached
+    prompt tokens of each prompt (reported on its first choice); the one place that counts."""
+
+    def __init__(self, num_prompt: int) -> None:
+        self.num_prompt = num_prompt
+        self.output: dict[int, int] = {}  # choice -> output tokens so far
+        self.cached: dict[int, int] = {}  # prompt -> cached prompt tokens
+
+    def add(self, chunk, choice: int | None = None, prompt: int = 0) -> None:
+        """`chunk` of `choice` (default: its own index) of prompt number `prompt`."""
+        self.output[chunk.index if choice is None else choice] = chunk.num_output_tokens
+        if chunk.index == 0:
+            self.cached[prompt] = chunk.num_cached_tokens
+
+    @property
+    def num_output(self) -> int:
+        return sum(self.output.values())
+
+    @property
+    def num_cached(self) -> int:
+        return sum(self.cached.values())
+
+    def usage(self) -> dict[str, Any]:
+        return usage(self.num_prompt, self.num_output, self.num_cached)
+
+
 @dataclass(slots=True)
 class Prices:
     """US dollars per million tokens; batch tokens cost (1 - batch_discount) of that."""
