@@ -93,7 +93,7 @@ FLAGS = {
 
 def run(args: argparse.Namespace) -> int:
     from server.api.app import create_app
-    from server.api.serving import ServerSettings, ServerState
+    from server.api.state import ServerSettings, ServerState
     from server.api.usage import Prices
     from server.engine.engine import ConfigError, EngineConfig
     from server.models.device import DTYPES

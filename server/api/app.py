@@ -26,7 +26,7 @@ from server.api.errors import (
     http_error_handler,
     unexpected_error_handler,
 )
-from server.api.serving import ServerSettings, ServerState
+from server.api.state import ServerSettings, ServerState
 from server.api.usage import get_usage
 
 log = logging.getLogger("localserve")

@@ -20,6 +20,7 @@ from typing import Any
 from server.api.chat import chat_answer
 from server.api.completions import completion_answer
 from server.api.errors import APIError
+from server.api.state import ServerState
 from server.api.usage import today
 from server.engine.sequence import PRIORITY_BATCH
 
@@ -31,7 +32,7 @@ SWEEP_SECONDS = 60.0  # how often expired files are deleted from disk
 
 
 class BatchWorker:
-    def __init__(self, state) -> None:
+    def __init__(self, state: ServerState) -> None:
         self.state = state
         self.store = state.batches
         self.running: dict[str, dict[str, asyncio.Task]] = {}  # batch id -> custom_id -> task

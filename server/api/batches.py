@@ -12,7 +12,7 @@ from server.api.body import read_json
 from server.api.errors import APIError, invalid, unsupported
 from server.api.files import expires_after, int_param, owned_row, page
 from server.api.protocol import Fields
-from server.api.serving import ServerState
+from server.api.state import ServerState
 from storage.batches import batch_object
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
@@ -21,7 +21,7 @@ OPENAI_ONLY_ENDPOINTS = ("/v1/responses", "/v1/embeddings", "/v1/moderations")
 
 async def create_batch(request: Request) -> Response:
     state: ServerState = request.app.state.server
-    f = Fields(await read_json(request, state))
+    f = Fields(await read_json(request, state.settings.max_body_bytes))
     input_file_id = f.str("input_file_id", required=True)
     endpoint = f.str("endpoint", required=True)
     window = f.str("completion_window", required=True)

@@ -24,8 +24,9 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def read_json(request: Request, state: Any) -> dict[str, Any]:
-    return parse_json(await read_body(request, state.settings.max_body_bytes))
+async def read_json(request: Request, limit: int) -> dict[str, Any]:
+    """The body as a JSON object (400 otherwise), within `limit` bytes (413 past it)."""
+    return parse_json(await read_body(request, limit))
 
 
 def _too_large(limit: int) -> APIError:

@@ -13,7 +13,6 @@ from server.api.errors import invalid
 from server.api.protocol import ChatRequest, parse_chat
 from server.api.serving import (
     Generation,
-    ServerState,
     TokenText,
     answer_for_batch,
     new_id,
@@ -22,6 +21,7 @@ from server.api.serving import (
     stream_engine,
     with_max_tokens,
 )
+from server.api.state import ServerState
 from server.api.usage import TokenCount
 from server.engine.async_engine import CompletionChunk
 from server.models.tokenizer import chat_prompt_ids

@@ -15,7 +15,6 @@ from starlette.responses import Response
 from server.api.protocol import CompletionRequest, parse_completion
 from server.api.serving import (
     Generation,
-    ServerState,
     TokenText,
     answer_for_batch,
     merged,
@@ -25,6 +24,7 @@ from server.api.serving import (
     stream_engine,
     with_max_tokens,
 )
+from server.api.state import ServerState
 from server.api.usage import TokenCount
 from server.engine.async_engine import CompletionChunk
 

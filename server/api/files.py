@@ -11,7 +11,7 @@ from starlette.responses import FileResponse, JSONResponse, Response
 
 from server.api.auth import tenant
 from server.api.errors import APIError, invalid
-from server.api.serving import ServerState
+from server.api.state import ServerState
 from storage.files import file_object
 
 PURPOSES = ("batch",)

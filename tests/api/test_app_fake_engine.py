@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from server.api.app import create_app
-from server.api.serving import ServerSettings, ServerState
+from server.api.state import ServerSettings, ServerState
 from server.engine.async_engine import CompletionChunk
 from tests.helpers import make_tokenizer
 

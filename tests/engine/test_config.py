@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from server.api.serving import ServerSettings
+from server.api.state import ServerSettings
 from server.api.usage import Prices
 from server.engine.engine import ConfigError, EngineConfig
 

@@ -1,0 +1,144 @@
+"""The server's settings (checked when built) and state: the engine once loaded, the database
+and stores, admission counts, interactive usage waiting to be written."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from server.api.errors import APIError, model_not_found
+from server.api.metrics import ApiMetrics
+from server.api.usage import Prices, UsageMeter
+from server.engine.async_engine import AsyncEngine
+from server.engine.engine import ConfigError, EngineConfig, at_least
+from storage.batches import BatchStore, add_usage
+from storage.db import Database
+from storage.files import FileStore
+from storage.models import home_dir
+
+
+class Wakeable(Protocol):
+    wake: asyncio.Event  # set: there is batch work to look at (the BatchWorker)
+
+log = logging.getLogger("localserve")
+
+
+@dataclass(slots=True)
+class ServerSettings:
+    model: str  # a stored model name, e.g. "smollm2-135m:int4"
+    api_keys: tuple[str, ...] = ()
+    max_pending: int = 256  # requests admitted at once; beyond: 429
+    max_body_bytes: int = 16 << 20
+    drain_timeout: float = 30.0  # SIGTERM: how long in-flight requests may take
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    device: str | None = None
+    dtype: str | None = None
+    threads: int | None = None  # torch intra-op threads (default: torch's)
+    home: Path | None = None  # default: $LOCALSERVE_HOME
+    prices: Prices = field(default_factory=Prices)
+    batch_window_seconds: int = 24 * 3600  # completion_window "24h"
+    batch_max_running: int = 16  # batch lines in the engine at once
+    max_file_bytes: int = 200 << 20
+    max_batch_lines: int = 50_000
+
+    def __post_init__(self) -> None:
+        at_least(self, 1, "max_pending", "max_body_bytes", "threads", "batch_window_seconds",
+                 "batch_max_running", "max_file_bytes", "max_batch_lines")
+        at_least(self, 0, "drain_timeout")
+        if any(not key.strip() for key in self.api_keys):
+            raise ConfigError("api_keys", "must not be empty")
+
+
+class ServerState:
+    """Everything handlers need; `engine` is None until the model has loaded."""
+
+    def __init__(self, settings: ServerSettings) -> None:
+        self.settings = settings
+        self.engine: AsyncEngine | None = None
+        self.tokenizer: Any = None
+        self.served_name = settings.model
+        self.load_error: str | None = None
+        self.draining = False
+        self.num_http_inflight = 0  # requests inside the app (SIGTERM waits for 0)
+        self.num_pending = 0  # generation requests admitted and not finished
+        self.metrics = ApiMetrics()
+        self.usage = UsageMeter()
+        self._usage_writer: asyncio.Task | None = None
+        self.created = int(time.time())
+        self.vocab_size = 0
+        self.max_request_tokens = 0  # prompt + completion tokens one sequence may hold
+        home = settings.home or home_dir()
+        self.db = Database(home / "localserve.db")
+        self.files = FileStore(self.db, home / "files")
+        self.batches = BatchStore(self.db, self.files)
+        self.worker: Wakeable | None = None  # the BatchWorker, once the model is loaded
+
+    def wake_batches(self) -> None:
+        if self.worker is not None:
+            self.worker.wake.set()
+
+    async def flush_usage(self) -> None:
+        """Write the interactive usage counted in memory (put back if the write fails)."""
+        rows = self.usage.take()
+        if rows:
+            try:
+                await self.db.run(_add_usage_rows, self.db, rows)
+            except BaseException:
+                self.usage.restore(rows)
+                raise
+
+    def usage_added(self) -> None:
+        """A request's usage was counted: write it now, together with whatever else finishes
+        meanwhile (one transaction per round, never more than one round at a time), so a
+        crash loses at most the requests of the round being written."""
+        if self._usage_writer is None or self._usage_writer.done():
+            self._usage_writer = asyncio.get_running_loop().create_task(self._write_usage())
+
+    async def _write_usage(self) -> None:
+        try:
+            while self.usage.pending:
+                await self.flush_usage()
+        except Exception:  # noqa: BLE001 - kept in memory; the batch worker retries every 2 s
+            log.exception("writing usage failed")
+
+    def attach(self, engine: AsyncEngine, served_name: str) -> None:
+        self.engine, self.tokenizer, self.served_name = engine, engine.tokenizer, served_name
+        self.vocab_size = engine.vocab_size
+        self.max_request_tokens = engine.max_request_tokens
+
+    def ready_engine(self) -> AsyncEngine:
+        if self.engine is None:
+            message = (f"The model failed to load: {self.load_error}" if self.load_error
+                       else "The model is still loading; retry shortly.")
+            raise APIError(503, message, code="model_not_ready", headers={"Retry-After": "2"})
+        return self.engine
+
+    def serves(self, name: object) -> bool:
+        """`name` is the served model: its full name or its bare alias."""
+        return name in (self.served_name, self.served_name.split(":")[0])
+
+    def check_model(self, name: str) -> None:
+        if not self.serves(name):
+            raise model_not_found(name)
+
+    def acquire(self) -> None:
+        """Take a place in the bounded queue, or 429 now (before any tokenizing)."""
+        if self.num_pending >= self.settings.max_pending:
+            self.metrics.num_rejected += 1
+            raise APIError(429, f"The server is at capacity ({self.settings.max_pending} "
+                           "requests in progress); retry shortly.", code="rate_limit_exceeded",
+                           headers={"Retry-After": "1"})
+        self.num_pending += 1
+
+    def release(self) -> None:
+        self.num_pending -= 1
+
+
+def _add_usage_rows(db: Database, rows: list[dict[str, Any]]) -> None:
+    with db.transaction() as conn:
+        for row in rows:
+            add_usage(conn, row)
