@@ -43,10 +43,9 @@ async def _start(state: ServerState, req: ChatRequest, salt: str, priority: int)
     prompt_ids = await off_loop(_prompt_ids, state.tokenizer, req.messages)
     params = with_max_tokens(state, req.params, req.max_tokens, len(prompt_ids), "messages")
     rid = new_id("chatcmpl")
+    run = _Run(state, req, rid, len(prompt_ids))
     chunks = stream_engine(state, prompt_ids, params, rid, salt, priority)
-    n = len(prompt_ids)
-    return Generation(lambda: _collect(state, req, rid, chunks, n),
-                      lambda: _stream(state, req, rid, chunks, n))
+    return Generation(lambda: run.collect(chunks), lambda: run.stream(chunks))
 
 
 def _prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
@@ -74,59 +73,60 @@ def _logprobs(token_text: TokenText, chunk: CompletionChunk) -> dict[str, Any] |
     return {"content": content, "refusal": None}
 
 
-async def _collect(state: ServerState, req: ChatRequest, rid: str,
-                   chunks: AsyncIterator[CompletionChunk], num_prompt: int) -> dict[str, Any]:
-    n = req.params.n
-    texts: list[list[str]] = [[] for _ in range(n)]
-    logprobs: list[list[dict]] = [[] for _ in range(n)]
-    finish: list[str | None] = [None] * n
-    count = TokenCount(num_prompt)
-    token_text = TokenText(state.tokenizer)
-    async for chunk in chunks:
-        i = chunk.index
-        texts[i].append(chunk.text)
-        count.add(chunk)
-        lp = _logprobs(token_text, chunk)
-        if lp is not None:
-            logprobs[i] += lp["content"]
-        if chunk.finish_reason is not None:
-            finish[i] = chunk.finish_reason
-    choices = [{
-        "index": i,
-        "message": {"role": "assistant", "content": "".join(texts[i]), "refusal": None},
-        "logprobs": {"content": logprobs[i], "refusal": None} if req.params.logprobs else None,
-        "finish_reason": finish[i],
-    } for i in range(n)]
-    return {"id": rid, "object": "chat.completion", "created": int(time.time()),
-            "model": state.served_name, "choices": choices,
-            "usage": count.usage(),
-            "system_fingerprint": SYSTEM_FINGERPRINT}
+class _Run:
+    """One chat request: turns engine chunks into a `chat.completion` or its chunk events."""
 
+    def __init__(self, state: ServerState, req: ChatRequest, rid: str, num_prompt: int) -> None:
+        self.state, self.req, self.rid = state, req, rid
+        self.count = TokenCount(num_prompt)
+        self.token_text = TokenText(state.tokenizer)
+        self.created = int(time.time())
 
-async def _stream(state: ServerState, req: ChatRequest, rid: str,
-                  chunks: AsyncIterator[CompletionChunk], num_prompt: int
-                  ) -> AsyncIterator[dict[str, Any]]:
-    created = int(time.time())
-    token_text = TokenText(state.tokenizer)
-    extra = {"usage": None} if req.include_usage else {}
+    def _object(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.rid, "object": kind, "created": self.created,
+                "model": self.state.served_name, "choices": choices,
+                "system_fingerprint": SYSTEM_FINGERPRINT}
 
-    def event(index: int, delta: dict, finish: str | None = None, logprobs=None) -> dict:
-        return {"id": rid, "object": "chat.completion.chunk", "created": created,
-                "model": state.served_name, "system_fingerprint": SYSTEM_FINGERPRINT,
-                "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                             "finish_reason": finish}], **extra}
+    async def collect(self, chunks: AsyncIterator[CompletionChunk]) -> dict[str, Any]:
+        n = self.req.params.n
+        texts: list[list[str]] = [[] for _ in range(n)]
+        logprobs: list[list[dict]] = [[] for _ in range(n)]
+        finish: list[str | None] = [None] * n
+        async for chunk in chunks:
+            i = chunk.index
+            texts[i].append(chunk.text)
+            self.count.add(chunk)
+            lp = _logprobs(self.token_text, chunk)
+            if lp is not None:
+                logprobs[i] += lp["content"]
+            if chunk.finish_reason is not None:
+                finish[i] = chunk.finish_reason
+        with_logprobs = self.req.params.logprobs
+        choices = [{
+            "index": i,
+            "message": {"role": "assistant", "content": "".join(texts[i]), "refusal": None},
+            "logprobs": {"content": logprobs[i], "refusal": None} if with_logprobs else None,
+            "finish_reason": finish[i],
+        } for i in range(n)]
+        return self._object("chat.completion", choices) | {"usage": self.count.usage()}
 
-    for i in range(req.params.n):
-        yield event(i, {"role": "assistant", "content": ""})
-    count = TokenCount(num_prompt)
-    async for chunk in chunks:
-        count.add(chunk)
-        lp = _logprobs(token_text, chunk)
-        if chunk.text or lp is not None:
-            yield event(chunk.index, {"content": chunk.text}, logprobs=lp)
-        if chunk.finish_reason is not None:
-            yield event(chunk.index, {}, chunk.finish_reason)
-    if req.include_usage:
-        yield {"id": rid, "object": "chat.completion.chunk", "created": created,
-               "model": state.served_name, "system_fingerprint": SYSTEM_FINGERPRINT,
-               "choices": [], "usage": count.usage()}
+    async def stream(self, chunks: AsyncIterator[CompletionChunk]
+                     ) -> AsyncIterator[dict[str, Any]]:
+        extra = {"usage": None} if self.req.include_usage else {}
+
+        def event(index: int, delta: dict, finish: str | None = None, logprobs=None) -> dict:
+            return self._object("chat.completion.chunk", [{
+                "index": index, "delta": delta, "logprobs": logprobs,
+                "finish_reason": finish}]) | extra
+
+        for i in range(self.req.params.n):
+            yield event(i, {"role": "assistant", "content": ""})
+        async for chunk in chunks:
+            self.count.add(chunk)
+            lp = _logprobs(self.token_text, chunk)
+            if chunk.text or lp is not None:
+                yield event(chunk.index, {"content": chunk.text}, logprobs=lp)
+            if chunk.finish_reason is not None:
+                yield event(chunk.index, {}, chunk.finish_reason)
+        if self.req.include_usage:
+            yield self._object("chat.completion.chunk", []) | {"usage": self.count.usage()}

@@ -31,10 +31,9 @@ UNPACKED_DTYPE = torch.bfloat16
 
 # Rows per GEMM call: prompt rows (of dense layers, and of quantized layers through their
 # unpacked weights) and generated rows of dense layers, the LM head's sampling rows included.
-# Measured (bf16, AVX-512 BF16): a call of 8 rows costs 1.1-1.4x one of 1 row, 16 rows 1.5-1.8x;
-# smollm2-135m:bf16 decodes 26/270/277 tok/s at 1/16/32 sequences with tiles of 8, 23/320/321
-# with 16. Prompts in tiles of 32 cost 9% more than 64 at 1,000 tokens and 25% less for a short
-# prompt after a prefix hit.
+# benchmarks/engine_throughput.py, smollm2-135m:bf16 at 1/16/32 sequences (Zen 4): 26/270/277
+# tok/s with generated tiles of 8, 23/320/321 with 16. Prompt tiles of 32 against 64: a 1,000-
+# token prompt 9% slower, a short prompt after a prefix hit 25% faster.
 PROMPT_TILE = 32
 GENERATED_TILE = 16
 
