@@ -30,4 +30,4 @@ RUN pip install --no-cache-dir .
 VOLUME /data
 EXPOSE 8000
 ENTRYPOINT ["localserve"]
-CMD ["run", "smollm2-135m", "What is the capital of France?"]
+CMD ["run", "smollm2-135m", "Name the capital of France."]
