@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import server.quant.native as native
-from server.quant.rows import RowSplit, rows_mm
+from server.quant.rows import PACKED_TILE, RowSplit, kernel_rows_independent, rows_mm, tiled_rows
 
 SUPPORTED_GROUP_SIZES = (32, 64, 128, 256)  # what the tinygemm kernels accept
 KERNEL_DTYPE = torch.bfloat16  # tinygemm's activations, scales and zeros
@@ -80,6 +80,7 @@ class Int4Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.kernel_weight: torch.Tensor | None = None  # tinygemm layout, when a kernel applies
         self.scales_and_zeros: torch.Tensor | None = None  # [K/g, N, 2] in KERNEL_DTYPE
+        self.tiled = False  # the CPU kernel's rows depend on each other here: call it in tiles
 
     def prepare(self, use_kernel: bool = True) -> None:
         """Convert to the device kernel's layout once weights sit on their device.
@@ -100,6 +101,10 @@ class Int4Linear(nn.Module):
         if device.type == "cpu":
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 2)
             checked_unpack()  # build the helper while loading, not in the first request
+            self.tiled = not kernel_rows_independent(
+                f"int4-g{self.group_size}", _sample_int4_kernel(self.in_features,
+                                                                self.group_size),
+                self.in_features)
         else:
             packed = torch.ops.aten._convert_weight_to_int4pack(pack_int4_kernel(q), 8)
         self.kernel_weight = packed
@@ -127,6 +132,11 @@ class Int4Linear(nn.Module):
         return F.linear(x, w.to(x.dtype), self.bias)
 
     def _packed_mm(self, x2: torch.Tensor) -> torch.Tensor:
+        if self.tiled:
+            return tiled_rows(self._kernel, x2, PACKED_TILE)
+        return self._kernel(x2)
+
+    def _kernel(self, x2: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             x2, self.kernel_weight, self.group_size, self.scales_and_zeros)
 
@@ -167,6 +177,18 @@ class Int4Linear(nn.Module):
                   out.data_ptr(), n, k, self.group_size, 0, k):
             return None
         return out
+
+
+def _sample_int4_kernel(num_inputs: int, group_size: int):
+    """The CPU int4 kernel on a small random weight of this input width (for the row check)."""
+    g = torch.Generator().manual_seed(1)
+    q = torch.randint(0, 16, (64, num_inputs), generator=g, dtype=torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
+    scales_and_zeros = torch.stack(
+        ((torch.rand(num_inputs // group_size, 64, generator=g) / 8),
+         torch.randn(num_inputs // group_size, 64, generator=g) / 8), dim=-1).to(KERNEL_DTYPE)
+    return lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group_size,
+                                                                scales_and_zeros.contiguous())
 
 
 _checked: list = []

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from server.quant.rows import RowSplit, rows_mm
+from server.quant.rows import PACKED_TILE, RowSplit, kernel_rows_independent, rows_mm, tiled_rows
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,11 +38,14 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight_scale", torch.empty(out_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.kernel_scale: torch.Tensor | None = None  # [N] bf16, set when the kernel applies
+        self.tiled = False  # the CPU kernel's rows depend on each other here: call it in tiles
 
     def prepare(self, use_kernel: bool = True) -> None:
         """Pick the kernel once the module sits on its final device."""
         on_cpu = self.weight.device.type == "cpu"
         self.kernel_scale = self.weight_scale.bfloat16() if use_kernel and on_cpu else None
+        self.tiled = self.kernel_scale is not None and not kernel_rows_independent(
+            "int8", _sample_int8_kernel(self.in_features), self.in_features)
 
     def forward(self, x: torch.Tensor, rows: RowSplit | None = None) -> torch.Tensor:
         if self.kernel_scale is not None:
@@ -56,6 +59,11 @@ class Int8Linear(nn.Module):
         return F.linear(x, w, self.bias)
 
     def _packed_mm(self, x2: torch.Tensor) -> torch.Tensor:
+        if self.tiled:
+            return tiled_rows(self._kernel, x2, PACKED_TILE)
+        return self._kernel(x2)
+
+    def _kernel(self, x2: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(x2, self.weight, self.kernel_scale)
 
     def unpacked_numel(self) -> int:
@@ -68,6 +76,14 @@ class Int8Linear(nn.Module):
         w = flat[: self.in_features * self.out_features].view(self.out_features, self.in_features)
         torch.mul(self.weight, self.kernel_scale[:, None], out=w)
         return w.t()
+
+
+def _sample_int8_kernel(num_inputs: int):
+    """The int8 kernel on a small random weight of this input width (for the row check)."""
+    g = torch.Generator().manual_seed(1)
+    weight = torch.randint(-127, 128, (64, num_inputs), generator=g, dtype=torch.int8)
+    scale = (torch.rand(64, generator=g) / 100).bfloat16()
+    return lambda x: torch.ops.aten._weight_int8pack_mm(x, weight, scale)
 
 
 class Int8Embedding(nn.Module):

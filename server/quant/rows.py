@@ -76,6 +76,37 @@ def tiled_mm(x: torch.Tensor, weight_t: torch.Tensor, tile: int) -> torch.Tensor
 # reused scratch buffer instead (a fresh 214 MB block costs ~35 ms of page faults).
 UNPACKED_MAX_BYTES = 1 << 30
 
+# Rows per call of a packed kernel found not to compute rows independently (see
+# kernel_rows_independent); PyTorch's CPU kernels so far all do, and keep one call.
+PACKED_TILE = 16
+_independent: dict[str, bool] = {}
+
+
+def kernel_rows_independent(kind: str, kernel: Callable[[torch.Tensor], torch.Tensor],
+                            num_inputs: int) -> bool:
+    """Whether a packed kernel (x [M, num_inputs] bf16 -> [M, N]) gives each row the same values
+    whatever rows share its call, checked once per kind on this machine against the rows computed
+    one at a time. PyTorch's tinygemm kernels do (every row the same instructions), but a
+    release could send some row counts elsewhere (a oneDNN brgemm path exists in forks); a kernel
+    that fails is called in tiles of PACKED_TILE rows, so its rows stay independent anyway."""
+    if kind not in _independent:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(72, num_inputs, generator=g).to(UNPACKED_DTYPE)
+        alone = torch.cat([kernel(x[i:i + 1]) for i in range(x.shape[0])])
+        _independent[kind] = all(torch.equal(kernel(x[:m]), alone[:m])
+                                 for m in (2, 3, 4, 5, 8, 16, 17, 32, 33, 64, 72))
+    return _independent[kind]
+
+
+def tiled_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
+               tile: int) -> torch.Tensor:
+    """fn(x) for x [M, K], calling fn on exactly `tile` rows at a time (the last zero-padded)."""
+    m = x.shape[0]
+    if m % tile:
+        x = torch.cat([x, x.new_zeros(tile - m % tile, x.shape[1])])
+    return torch.cat([fn(x[i:i + tile]) for i in range(0, x.shape[0], tile)])[:m]
+
+
 class UnpackedWeights:
     """The bf16 copies of a model's quantized layers, made on demand and dropped together."""
 

@@ -198,3 +198,31 @@ def test_int4_rows_take_their_kinds_path_wherever_they_sit(prompt_rows, tmp_path
                 want = alone_prompt[i] if i in prompt_rows else alone_generated[i]
                 assert torch.equal(y[i], want), (cap, keep, i)
         assert (unpacked.block is not None) == (cap > 0 and keep and bool(prompt_rows))
+
+
+def test_a_packed_kernel_whose_rows_depend_on_each_other_is_called_in_tiles(monkeypatch):
+    """The load-time check tells a row-independent kernel from one whose rows change with the
+    row count, and tiles make the second one's rows independent too; an int8 layer whose kernel
+    failed the check still gives every row what it gives alone."""
+    from server.quant import rows
+
+    torch.manual_seed(3)
+    weight = torch.randn(64, 16).bfloat16()
+    independent = lambda x: x @ weight  # noqa: E731
+    dependent = lambda x: x @ weight + x.shape[0]  # noqa: E731 - the row count leaks in
+    monkeypatch.setattr(rows, "_independent", {})
+    assert rows.kernel_rows_independent("fake-good", independent, 64)
+    assert not rows.kernel_rows_independent("fake-bad", dependent, 64)
+    x = torch.randn(40, 64).bfloat16()
+    alone = torch.cat([rows.tiled_rows(dependent, x[i:i + 1], rows.PACKED_TILE)
+                       for i in range(40)])
+    for m in (1, 5, 16, 17, 40):
+        assert torch.equal(rows.tiled_rows(dependent, x[:m], rows.PACKED_TILE), alone[:m])
+    monkeypatch.setattr(rows, "_independent", {"int8": False})
+    q, scale = quantize_int8(torch.randn(96, 64))
+    layer = Int8Linear(64, 96)
+    layer.weight, layer.weight_scale = q, scale
+    layer.prepare(use_kernel=True)
+    assert layer.tiled
+    y = layer(x)
+    assert all(torch.equal(y[i], layer(x[i:i + 1])[0]) for i in range(40))
