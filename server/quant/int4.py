@@ -179,16 +179,22 @@ class Int4Linear(nn.Module):
         return out
 
 
+def _random_cpu_int4(n: int, k: int, group: int, seed: int):
+    """A random int4 weight [n, k] in the CPU kernel's layout: (q, scale, zero, packed,
+    scales_and_zeros), for the load-time checks below."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int32)
+    scale = (torch.rand(n, k // group, generator=g) / 8).to(KERNEL_DTYPE)
+    zero = torch.randn(n, k // group, generator=g).to(KERNEL_DTYPE)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
+    return q, scale, zero, packed, torch.stack((scale.t(), zero.t()), dim=-1).contiguous()
+
+
 def _sample_int4_kernel(num_inputs: int, group_size: int):
     """The CPU int4 kernel on a small random weight of this input width (for the row check)."""
-    g = torch.Generator().manual_seed(1)
-    q = torch.randint(0, 16, (64, num_inputs), generator=g, dtype=torch.int32)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
-    scales_and_zeros = torch.stack(
-        ((torch.rand(num_inputs // group_size, 64, generator=g) / 8),
-         torch.randn(num_inputs // group_size, 64, generator=g) / 8), dim=-1).to(KERNEL_DTYPE)
+    *_, packed, scales_and_zeros = _random_cpu_int4(64, num_inputs, group_size, seed=1)
     return lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group_size,
-                                                                scales_and_zeros.contiguous())
+                                                                scales_and_zeros)
 
 
 _checked: list = []
@@ -201,13 +207,8 @@ def checked_unpack():
     if not _checked:
         unpack = native.int4_unpack()
         if unpack is not None:
-            g = torch.Generator().manual_seed(0)
             n, k, group = 128, 64, 32
-            q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int32)
-            scale = (torch.rand(n, k // group, generator=g) / 8).to(KERNEL_DTYPE)
-            zero = torch.randn(n, k // group, generator=g).to(KERNEL_DTYPE)
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
-            sz = torch.stack((scale.t(), zero.t()), dim=-1).contiguous()
+            q, scale, zero, packed, sz = _random_cpu_int4(n, k, group, seed=0)
             out = torch.empty(k, n, dtype=KERNEL_DTYPE)
             want = dequantize_int4(q, scale, zero, group).to(KERNEL_DTYPE).t()
             if (packed.shape != (n, k // 2) or unpack(packed.data_ptr(), sz.data_ptr(),
