@@ -61,6 +61,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="US$ per million completion tokens (default 0.40)")
     p.add_argument("--batch-discount", type=float, default=0.5,
                    help="discount on batch tokens, 0..1 (default 0.5)")
+    p.add_argument("--grammar-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="how long a response_format or tools grammar may take to compile "
+                   "before the request gets a 400 (default 10)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads for the model (default: torch's, one per core)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: auto)")
@@ -88,6 +91,7 @@ FLAGS = {
     "input_per_million": ("--price-input", "price_input"),
     "output_per_million": ("--price-output", "price_output"),
     "batch_discount": ("--batch-discount", "batch_discount"),
+    "grammar_timeout": ("--grammar-timeout", "grammar_timeout"),
 }
 
 
@@ -117,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
             device=args.device, dtype=args.dtype, threads=args.threads,
             prices=Prices(args.price_input, args.price_output, args.batch_discount),
             batch_window_seconds=args.batch_window,
-            batch_max_running=args.batch_max_running)
+            batch_max_running=args.batch_max_running, grammar_timeout=args.grammar_timeout)
     except ConfigError as e:
         flag, value = FLAGS.get(e.field, (e.field, None))
         given = f", got {getattr(args, value)}" if value else ""

@@ -12,13 +12,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from server.api.errors import invalid, unsupported
+from server.api.messages import parse_messages
+from server.api.structured import OutputFormat, parse_response_format
+from server.api.tools import ToolUse, parse_tools
 from server.engine.sequence import SamplingParams
 
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
 MAX_STOP = 16
 INT64 = (-(2**63), 2**63 - 1)  # every integer field fits the engine's int64 (seeds, counts)
-ROLES = ("system", "developer", "user", "assistant")
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -118,7 +120,9 @@ class GenerateRequest:
 
 @dataclass(slots=True)
 class ChatRequest(GenerateRequest):
-    messages: list[dict[str, str]] = field(default_factory=list)
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    output: OutputFormat | None = None  # response_format beyond text
+    tool_use: ToolUse | None = None  # tools offered, and how they may be called
 
 
 @dataclass(slots=True)
@@ -187,21 +191,17 @@ def _max_tokens(f: Fields) -> int | None:
 
 def parse_chat(body: dict[str, Any], vocab_size: int) -> ChatRequest:
     f = Fields(body)
-    messages = _messages(f.raw("messages"))
+    messages = parse_messages(f.raw("messages"))
     kw, other = _common(f, vocab_size)
     logprobs = f.bool("logprobs")
     top = f.int("top_logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
     if top and not logprobs:
         raise invalid("top_logprobs", "'top_logprobs' requires 'logprobs' to be true.")
     max_tokens = _max_tokens(f)
-    f.refuse("tools", what="tool calling")
-    f.refuse("tool_choice", (None, "none"), "tool calling")
-    f.refuse("functions", what="function calling")
-    f.refuse("function_call", (None, "none"), "function calling")
-    f.raw("parallel_tool_calls")  # meaningless without tools
-    rf = f.raw("response_format")
-    if rf is not None and rf != {"type": "text"}:
-        raise unsupported("response_format", "only {\"type\": \"text\"}")
+    tool_use = parse_tools(f.raw("tools"), f.raw("tool_choice"), f.raw("parallel_tool_calls"))
+    f.refuse("functions", what="the deprecated 'functions'; use 'tools'")
+    f.refuse("function_call", (None, "none"), "the deprecated 'function_call'; use 'tool_choice'")
+    output = parse_response_format(f.raw("response_format"))
     f.refuse("audio")
     f.refuse("modalities", (None, ["text"]))
     f.refuse("prediction", what="predicted outputs")
@@ -212,7 +212,8 @@ def parse_chat(body: dict[str, Any], vocab_size: int) -> ChatRequest:
     f.raw("metadata")  # only meaningful with store
     f.check_unknown()
     params = SamplingParams(logprobs=logprobs, top_logprobs=top or 0, **kw)
-    return ChatRequest(params=params, max_tokens=max_tokens, messages=messages, **other)
+    return ChatRequest(params=params, max_tokens=max_tokens, messages=messages, output=output,
+                       tool_use=tool_use, **other)
 
 
 def parse_completion(body: dict[str, Any], vocab_size: int) -> CompletionRequest:
@@ -231,54 +232,6 @@ def parse_completion(body: dict[str, Any], vocab_size: int) -> CompletionRequest
     params = SamplingParams(logprobs=logprobs is not None, top_logprobs=logprobs or 0, **kw)
     return CompletionRequest(params=params, max_tokens=max_tokens, prompts=prompts, echo=echo,
                              logprobs=logprobs, **other)
-
-
-def _messages(v: Any) -> list[dict[str, str]]:
-    if v is None:
-        raise invalid("messages", "Missing required parameter: 'messages'.")
-    if not isinstance(v, list):
-        raise invalid("messages", "Invalid type for 'messages': expected an array.")
-    if not v:
-        raise invalid("messages", "'messages' must contain at least one message.")
-    out = []
-    for i, m in enumerate(v):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise invalid(where, f"Invalid type for '{where}': expected an object.")
-        role = m.get("role")
-        if role in ("tool", "function") or m.get("tool_calls") or m.get("function_call"):
-            raise unsupported(f"{where}.role", "tool and function messages")
-        if not isinstance(role, str) or role not in ROLES:
-            raise invalid(f"{where}.role", f"Invalid value for '{where}.role': {role!r}. "
-                          f"Supported values are: {', '.join(map(repr, ROLES))}.")
-        content = _content(m.get("content"), f"{where}.content", role)
-        for key in m:
-            if key not in ("role", "content", "name", "refusal", "tool_calls",
-                           "function_call"):
-                raise invalid(f"{where}.{key}", f"Unrecognized message field: {key}")
-        out.append({"role": "system" if role == "developer" else role, "content": content})
-    return out
-
-
-def _content(v: Any, where: str, role: str) -> str:
-    if isinstance(v, str):
-        return v
-    if v is None and role == "assistant":
-        return ""
-    if not isinstance(v, list):
-        raise invalid(where, f"Invalid type for '{where}': expected a string or an array of "
-                      "content parts.")
-    texts = []
-    for j, part in enumerate(v):
-        p = f"{where}[{j}]"
-        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-            raise invalid(p, f"Invalid content part '{p}': expected an object with a 'type'.")
-        if part["type"] != "text":
-            raise unsupported(f"{p}.type", f"content parts of type {part['type']!r}")
-        if not isinstance(part.get("text"), str):
-            raise invalid(f"{p}.text", f"Invalid type for '{p}.text': expected a string.")
-        texts.append(part["text"])
-    return "\n".join(texts)
 
 
 def _stop(v: Any) -> tuple[str, ...]:

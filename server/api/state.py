@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -15,6 +16,7 @@ from server.api.metrics import ApiMetrics
 from server.api.usage import Prices, UsageMeter
 from server.engine.async_engine import AsyncEngine
 from server.engine.engine import ConfigError, EngineConfig, at_least
+from server.engine.grammar import GrammarCompiler
 from storage.batches import BatchStore, add_usage
 from storage.db import Database
 from storage.files import FileStore
@@ -44,11 +46,13 @@ class ServerSettings:
     batch_max_running: int = 16  # batch lines in the engine at once
     max_file_bytes: int = 200 << 20
     max_batch_lines: int = 50_000
+    grammar_timeout: float = 10.0  # seconds a response format or tools grammar may compile
 
     def __post_init__(self) -> None:
         at_least(self, 1, "max_pending", "max_body_bytes", "threads", "batch_window_seconds",
                  "batch_max_running", "max_file_bytes", "max_batch_lines")
         at_least(self, 0, "drain_timeout")
+        at_least(self, 0.001, "grammar_timeout")
         if any(not key.strip() for key in self.api_keys):
             raise ConfigError("api_keys", "must not be empty")
 
@@ -76,6 +80,10 @@ class ServerState:
         self.files = FileStore(self.db, home / "files")
         self.batches = BatchStore(self.db, self.files)
         self.worker: Wakeable | None = None  # the BatchWorker, once the model is loaded
+        self.grammars: GrammarCompiler | None = None  # once the model is loaded
+        # Grammars compile here: never on the event loop, never in the engine's thread, and
+        # a slow one cannot hold up tokenizing (the default pool).
+        self.grammar_pool = ThreadPoolExecutor(2, thread_name_prefix="grammar")
 
     def wake_batches(self) -> None:
         if self.worker is not None:
@@ -109,6 +117,8 @@ class ServerState:
         self.engine, self.tokenizer, self.served_name = engine, engine.tokenizer, served_name
         self.vocab_size = engine.vocab_size
         self.max_request_tokens = engine.max_request_tokens
+        self.grammars = GrammarCompiler(engine.tokenizer, engine.vocab_size,
+                                        engine.eos_token_ids)
 
     def ready_engine(self) -> AsyncEngine:
         if self.engine is None:

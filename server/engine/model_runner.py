@@ -34,7 +34,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device, self.dtype = device, dtype
         self.kv_caches = allocate_kv(model, num_blocks * block_size, device, kv_dtype or dtype)
-        self.sampler = Sampler()
+        self.sampler = Sampler(model.config.vocab_size)
         self.unpacked = UnpackedWeights(model)  # int4 layers' bf16 copies while prompts run
 
     def release(self, seq) -> None:
@@ -78,6 +78,7 @@ class ModelRunner:
         result = self.sampler(logits, sampling)
         # The step's one host sync: everything needed on the host comes over together.
         token_ids = result.token_ids.tolist()
+        self.sampler.advance(sampling, token_ids)
         if result.logprobs is None:
             return StepResult(token_ids, None, None)
         logprobs = result.logprobs.tolist()

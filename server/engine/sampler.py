@@ -3,6 +3,8 @@
 Rows with a seed draw their noise from their own generator, so a seeded request gives the same
 text whatever else shares the batch. Sampling is the exponential race: argmax(p / E) with
 E ~ Exp(1) picks index i with probability p_i, and needs one noise vector per row.
+Rows of sequences with a grammar are masked to the tokens it allows (after bias and penalties,
+so nothing lifts a disallowed token back); reported logprobs stay the model's own.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from server.engine.grammar import GrammarMasks
 from server.engine.sequence import Sequence
 
 
@@ -23,8 +26,9 @@ class SampleResult:
 
 
 class Sampler:
-    def __init__(self) -> None:
+    def __init__(self, vocab_size: int) -> None:
         self.generators: dict[int, torch.Generator] = {}  # seq_id -> seeded generator
+        self.grammar_masks = GrammarMasks(vocab_size)
 
     def release(self, seq: Sequence) -> None:
         self.generators.pop(seq.seq_id, None)
@@ -36,6 +40,11 @@ class Sampler:
         if any(s.params.logprobs for s in seqs):
             raw_logprobs = torch.log_softmax(logits, dim=-1)  # OpenAI reports the model's own
         self._apply_bias_and_penalties(logits, seqs)
+        constrained = [i for i, s in enumerate(seqs) if s.grammar is not None]
+        if constrained:
+            allowed = self.grammar_masks.masks([seqs[i].grammar for i in constrained])
+            rows = torch.tensor(constrained, device=logits.device)
+            logits[rows] = logits[rows].masked_fill(~allowed.to(logits.device), float("-inf"))
 
         temps = [s.params.temperature for s in seqs]
         token_ids = logits.argmax(dim=-1)  # [N]
@@ -54,6 +63,18 @@ class Sampler:
         chosen = raw_logprobs.gather(1, token_ids[:, None])[:, 0]
         top_lp, top_ids = (raw_logprobs.topk(max_top, dim=-1) if max_top else (None, None))
         return SampleResult(token_ids, chosen, top_ids, top_lp)
+
+    def advance(self, seqs: list[Sequence], token_ids: list[int]) -> None:
+        """The step's tokens are known: grammars consume them, and the next step's masks are
+        computed while its forward runs."""
+        states = []
+        self.grammar_masks.wait()
+        for seq, token in zip(seqs, token_ids, strict=True):
+            if seq.grammar is not None:
+                seq.grammar.accept(token)
+                if not seq.grammar.is_finished:
+                    states.append(seq.grammar)
+        self.grammar_masks.prefetch(states)
 
     def _exponential(self, seq: Sequence, vocab: int, device) -> torch.Tensor:
         seed = seq.params.seed

@@ -250,6 +250,8 @@ class Scheduler:
         p = seq.params
         if (not p.ignore_eos and token in seq.eos_token_ids) or token in p.stop_token_ids:
             return SequenceStatus.FINISHED_STOPPED
+        if seq.grammar is not None and seq.grammar.is_finished:
+            return SequenceStatus.FINISHED_STOPPED  # nothing but EOS could follow
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return SequenceStatus.FINISHED_LENGTH
         return None

@@ -9,6 +9,10 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from server.engine.grammar import Grammar, GrammarState
 
 
 class SequenceStatus(enum.IntEnum):
@@ -56,6 +60,7 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     n: int = 1
+    grammar: Grammar | None = None  # constrained decoding: every choice follows it
 
     @property
     def is_greedy(self) -> bool:
@@ -87,10 +92,14 @@ class Sequence:
     eos_token_ids: tuple[int, ...] = ()
     leader: Sequence | None = None  # n > 1: wait until the leader's prompt is cached
     logprobs: list = field(default_factory=list)  # per output token, when asked
+    # Its place in params.grammar: advanced once per sampled token, so it survives preemption.
+    grammar: GrammarState | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.token_ids)  # owned: outputs are appended to it
         self.num_prompt_tokens = self.num_prompt_tokens or len(self.token_ids)
+        if self.params.grammar is not None and self.grammar is None:
+            self.grammar = self.params.grammar.start()
 
     @property
     def num_tokens(self) -> int:

@@ -48,12 +48,13 @@ class Tokenizer:
         return self.backend.id_to_token(token_id)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], tokenize: bool = False,
-                            add_generation_prompt: bool = False) -> str | list[int]:
+                            add_generation_prompt: bool = False,
+                            tools: list[dict[str, Any]] | None = None) -> str | list[int]:
         if not self.chat_template:
             raise ValueError("this model has no chat template: use /v1/completions")
         if self._compiled is None or self._compiled[0] != self.chat_template:
             self._compiled = (self.chat_template, compile_chat_template(self.chat_template))
-        text = self._compiled[1].render(messages=messages, tools=None, documents=None,
+        text = self._compiled[1].render(messages=messages, tools=tools, documents=None,
                                         add_generation_prompt=add_generation_prompt,
                                         **self.special_tokens)
         return self.encode(text, add_special_tokens=False) if tokenize else text
@@ -107,9 +108,12 @@ def load_tokenizer(stored: StoredModel) -> Any:
     return tokenizer
 
 
-def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of `messages` through the model's chat template, ready for the reply."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]],
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """Token ids of `messages` (and `tools`, for templates that render them) through the
+    model's chat template, ready for the reply."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                         **({"tools": tools} if tools else {}))
     return tokenizer.encode(text, add_special_tokens=False)
 
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from tests.api.server import ServerProcess, home_with_models
@@ -29,3 +33,15 @@ def client(server):
     with OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0,
                 timeout=60) as c:
         yield c
+
+
+@pytest.fixture(scope="session")
+def real_server(real_home, tmp_path_factory):
+    """`localserve serve` with no model name: the real smollm2-135m, pulled at 4 bits."""
+    env = dict(os.environ, LOCALSERVE_HOME=str(real_home))
+    pull = subprocess.run([sys.executable, "-m", "cli.main", "pull", "smollm2-135m", "--bits",
+                           "4"], capture_output=True, text=True, env=env, timeout=600)
+    assert pull.returncode == 0, pull.stderr[-2000:]
+    proc = ServerProcess(real_home, [], tmp_path_factory.mktemp("real") / "server.log").start()
+    yield proc
+    proc.stop()

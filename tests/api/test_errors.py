@@ -31,6 +31,9 @@ def assert_error(r: httpx.Response, status: int, param: str | None = None,
     return error
 
 
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
 def chat(**fields):
     return {"model": MODEL, "messages": MSG} | fields
 
@@ -65,12 +68,41 @@ def chat(**fields):
     (chat(logit_bias={"999999": 5}), "logit_bias"),
     (chat(logit_bias={"5": 500}), "logit_bias"),
     (chat(seed="x"), "seed"),
-    (chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
-    (chat(response_format={"type": "json_schema", "json_schema": {}}), "response_format"),
+    (chat(tools=[{"type": "function", "function": {"name": "bad name"}}]),
+     "tools[0].function.name"),
+    (chat(tools=[{"type": "custom", "custom": {"name": "f"}}]), "tools[0].type"),
+    (chat(tools=[TOOL, TOOL]), "tools[1].function.name"),
+    (chat(tool_choice="required"), "tool_choice"),
+    (chat(tools=[TOOL], tool_choice="sometimes"), "tool_choice"),
+    (chat(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "g"}}),
+     "tool_choice"),
+    (chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "objekt"}}}]), "tools"),
+    (chat(functions=[{"name": "f"}]), "functions"),
+    (chat(messages=[{"role": "tool", "content": "21 C"}]), "messages[0].tool_call_id"),
+    (chat(messages=[{"role": "assistant", "tool_calls": [{"id": "c"}]}]),
+     "messages[0].tool_calls[0]"),
+    (chat(response_format={"type": "json_schema", "json_schema": {}}),
+     "response_format.json_schema.name"),
+    (chat(response_format={"type": "yaml"}), "response_format.type"),
+    (chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "objekt"}}}), "response_format"),
+    (chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "integer",
+                                                                       "minimum": "zero"}}}}}),
+     "response_format"),
     (chat(frobnicate=1), "frobnicate"),
 ])
 def test_invalid_chat_fields_name_the_param(http, body, param):
     assert_error(http.post(CHAT, json=body), 400, param)
+
+
+def test_an_unsupported_schema_keyword_is_named(http):
+    schema = {"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}}
+    r = http.post(CHAT, json=chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": schema}}))
+    error = assert_error(r, 400, "response_format", "unsupported_parameter")
+    assert '"if"' in error["message"] and '"then"' in error["message"]
 
 
 @pytest.mark.parametrize(("body", "param"), [

@@ -2,29 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
-
-from tests.api.server import ServerProcess
 
 pytestmark = pytest.mark.real_model
 
 VIETNAMESE = ("Việt Nam là một quốc gia nằm ở phía đông bán đảo Đông Dương. Thủ đô của Việt "
               "Nam là")
-
-
-@pytest.fixture(scope="module")
-def real_server(real_home, tmp_path_factory):
-    env = dict(os.environ, LOCALSERVE_HOME=str(real_home))
-    pull = subprocess.run([sys.executable, "-m", "cli.main", "pull", "smollm2-135m", "--bits",
-                           "4"], capture_output=True, text=True, env=env, timeout=600)
-    assert pull.returncode == 0, pull.stderr[-2000:]
-    proc = ServerProcess(real_home, [], tmp_path_factory.mktemp("real") / "server.log").start()
-    yield proc
-    proc.stop()
 
 
 def test_health_was_503_while_loading(real_server):

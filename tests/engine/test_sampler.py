@@ -16,7 +16,7 @@ LOGITS = torch.tensor([[0.0, 3.0, 2.0, 1.0, -1.0]])
 
 
 def sample(params, logits=LOGITS, tokens=(0,)):
-    return Sampler()(logits.clone(), seqs(params, tokens=tokens)).token_ids.tolist()[0]
+    return Sampler(5)(logits.clone(), seqs(params, tokens=tokens)).token_ids.tolist()[0]
 
 
 def test_greedy_top_k_1_and_tiny_top_p_pick_the_argmax():
@@ -36,30 +36,30 @@ def test_frequency_presence_and_repetition_penalties():
     # Output so far (after the 1-token prompt): token 1 twice. frequency 1.0 -> 3 - 2 = 1 < 2.
     params = SamplingParams(temperature=0.0, frequency_penalty=1.0)
     s = Sequence([0, 1, 1], params, num_prompt_tokens=1)
-    assert Sampler()(LOGITS.clone(), [s]).token_ids.tolist() == [2]
+    assert Sampler(5)(LOGITS.clone(), [s]).token_ids.tolist() == [2]
     s = Sequence([0, 1], SamplingParams(temperature=0.0, presence_penalty=1.5),
                  num_prompt_tokens=1)
-    assert Sampler()(LOGITS.clone(), [s]).token_ids.tolist() == [2]  # 3 - 1.5 < 2
+    assert Sampler(5)(LOGITS.clone(), [s]).token_ids.tolist() == [2]  # 3 - 1.5 < 2
     # Repetition 2.0 over every seen token (prompt too): 3 / 2 = 1.5 < 2.
     s = Sequence([1], SamplingParams(temperature=0.0, repetition_penalty=2.0))
-    assert Sampler()(LOGITS.clone(), [s]).token_ids.tolist() == [2]
+    assert Sampler(5)(LOGITS.clone(), [s]).token_ids.tolist() == [2]
 
 
 def test_seeded_rows_repeat_and_follow_the_distribution():
     params = SamplingParams(temperature=1.0, seed=7)
-    a = Sampler()
-    b = Sampler()
+    a = Sampler(5)
+    b = Sampler(5)
     s1, s2 = seqs(params, params)
     draws_a = [a(LOGITS.clone(), [s1]).token_ids.item() for _ in range(20)]
     draws_b = [b(LOGITS.clone(), [s2]).token_ids.item() for _ in range(20)]
     assert draws_a == draws_b
     # Unseeded frequencies approach softmax: token 1 has p = e^3 / sum ~= 0.64.
-    many = Sampler()(LOGITS.repeat(4000, 1), seqs(*[SamplingParams()] * 4000)).token_ids
+    many = Sampler(5)(LOGITS.repeat(4000, 1), seqs(*[SamplingParams()] * 4000)).token_ids
     assert abs((many == 1).float().mean().item() - 0.6439) < 0.03
 
 
 def test_logprobs_are_the_models():
-    result = Sampler()(LOGITS.clone(), seqs(SamplingParams(temperature=0.0, logprobs=True,
+    result = Sampler(5)(LOGITS.clone(), seqs(SamplingParams(temperature=0.0, logprobs=True,
                                                            top_logprobs=2)))
     expected = torch.log_softmax(LOGITS, -1)
     assert result.top_ids.tolist() == [[1, 2]]

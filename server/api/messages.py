@@ -1,0 +1,101 @@
+"""Chat messages parsed: roles, content parts, an assistant's past tool calls, tool results."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from server.api.errors import invalid, unsupported
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def parse_messages(v: Any) -> list[dict[str, Any]]:
+    if v is None:
+        raise invalid("messages", "Missing required parameter: 'messages'.")
+    if not isinstance(v, list):
+        raise invalid("messages", "Invalid type for 'messages': expected an array.")
+    if not v:
+        raise invalid("messages", "'messages' must contain at least one message.")
+    out = []
+    for i, m in enumerate(v):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise invalid(where, f"Invalid type for '{where}': expected an object.")
+        role = m.get("role")
+        if role == "function" or m.get("function_call"):
+            raise unsupported(f"{where}.role", "the deprecated function messages; use 'tool'")
+        if not isinstance(role, str) or role not in ROLES:
+            raise invalid(f"{where}.role", f"Invalid value for '{where}.role': {role!r}. "
+                          f"Supported values are: {', '.join(map(repr, ROLES))}.")
+        calls = _tool_calls(m.get("tool_calls"), f"{where}.tool_calls", role)
+        content = _content(m.get("content"), f"{where}.content", role, bool(calls))
+        allowed = MESSAGE_FIELDS[role]
+        for key in m:
+            if key not in allowed:
+                raise invalid(f"{where}.{key}", f"Unrecognized message field: {key}")
+        message: dict[str, Any] = {"role": "system" if role == "developer" else role,
+                                   "content": content}
+        if calls:
+            message["tool_calls"] = calls
+        if role == "tool":
+            call_id = m.get("tool_call_id")
+            if not isinstance(call_id, str):
+                raise invalid(f"{where}.tool_call_id", f"Missing required parameter: "
+                              f"'{where}.tool_call_id'.")
+            message["tool_call_id"] = call_id
+        out.append(message)
+    return out
+
+
+MESSAGE_FIELDS = {
+    "system": ("role", "content", "name"), "developer": ("role", "content", "name"),
+    "user": ("role", "content", "name"), "tool": ("role", "content", "tool_call_id"),
+    "assistant": ("role", "content", "name", "refusal", "tool_calls", "audio",
+                  "function_call"),
+}
+
+
+def _tool_calls(v: Any, where: str, role: str) -> list[dict[str, Any]]:
+    """An assistant message's past calls: [{id, type, function: {name, arguments}}]."""
+    if v is None or v == []:
+        return []
+    if role != "assistant":
+        raise invalid(where, f"Only assistant messages carry '{where}'.")
+    if not isinstance(v, list):
+        raise invalid(where, f"Invalid type for '{where}': expected an array.")
+    calls = []
+    for j, c in enumerate(v):
+        w = f"{where}[{j}]"
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(c.get("id"), str):
+            raise invalid(w, f"Invalid '{w}': expected an object with 'id', 'type' and "
+                          "'function'.")
+        if c.get("type", "function") != "function":
+            raise unsupported(f"{w}.type", f"tool calls of type {c.get('type')!r}")
+        if not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments"), str):
+            raise invalid(f"{w}.function", f"Invalid '{w}.function': expected 'name' and "
+                          "'arguments' strings.")
+        calls.append({"id": c["id"], "type": "function",
+                      "function": {"name": fn["name"], "arguments": fn["arguments"]}})
+    return calls
+
+
+def _content(v: Any, where: str, role: str, has_calls: bool = False) -> str:
+    if isinstance(v, str):
+        return v
+    if v is None and (role == "assistant" or has_calls):
+        return ""
+    if not isinstance(v, list):
+        raise invalid(where, f"Invalid type for '{where}': expected a string or an array of "
+                      "content parts.")
+    texts = []
+    for j, part in enumerate(v):
+        p = f"{where}[{j}]"
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise invalid(p, f"Invalid content part '{p}': expected an object with a 'type'.")
+        if part["type"] != "text":
+            raise unsupported(f"{p}.type", f"content parts of type {part['type']!r}")
+        if not isinstance(part.get("text"), str):
+            raise invalid(f"{p}.text", f"Invalid type for '{p}.text': expected a string.")
+        texts.append(part["text"])
+    return "\n".join(texts)

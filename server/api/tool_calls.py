@@ -1,0 +1,236 @@
+"""The model's text split into content and tool calls, incrementally, for streams and whole
+answers alike (a whole answer is the stream fed at once, so both give the same calls).
+
+Inside `<tool_call>...</tool_call>` the body is one call object or a list of them. A call that
+starts `{"name": "...", "arguments":` (what the grammar makes the model write) streams: its id
+and name as soon as the name is complete, then its arguments text as it comes, scanned
+character by character so the end of the arguments is found whatever the chunking. A body in
+any other shape (keys in another order, "parameters" for "arguments") waits for the closing
+tag and is read with json; a body that is not JSON at all stays content, so nothing is lost.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+
+from server.api.tools import CALL_CLOSE, CALL_OPEN
+
+# A call's start: first in the tag, first of a list, or the next one of a list.
+HEAD = re.compile(r'\s*(?:[\[,]\s*)?\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:')
+
+
+@dataclass(slots=True)
+class CallDelta:
+    """A piece of call `index`: its id and name first, then arguments text."""
+
+    index: int
+    arguments: str = ""
+    id: str | None = None
+    name: str | None = None
+
+
+@dataclass(slots=True)
+class Call:
+    id: str
+    name: str
+    arguments: str = ""
+
+
+@dataclass(slots=True)
+class Parsed:
+    """What one feed produced: content text and call pieces, in order of the text."""
+
+    content: str = ""
+    calls: list[CallDelta] = field(default_factory=list)
+
+
+class ToolCallParser:
+    def __init__(self) -> None:
+        self.calls: list[Call] = []
+        self._text = ""  # not yet decided
+        self._in_tag = False
+        self._head_done = False  # inside a tag: the current call's name was read
+        self._args = _ArgsScanner()
+        self._body = ""  # the tag's text so far (for the json fallback)
+        self._streamed = False  # this tag's calls stream (the grammar's shape)
+        self._gap = ""  # the blanks before the open tag
+
+    def feed(self, text: str) -> Parsed:
+        out = Parsed()
+        self._text += text
+        while self._step(out):
+            pass
+        return out
+
+    def finish(self) -> Parsed:
+        """The end of the output: whatever was held back."""
+        out = self.feed("")
+        if self._in_tag and not self._streamed:
+            out.content += self._gap + CALL_OPEN + self._body + self._text  # never a call
+        elif not self._in_tag:
+            out.content += self._text if not self.calls else self._text.rstrip()
+        self._text = ""
+        return out
+
+    # -- one decision at a time; False when more text is needed -------------------------------
+
+    def _step(self, out: Parsed) -> bool:
+        if not self._in_tag:
+            return self._outside(out)
+        if self._streamed and self._head_done:
+            return self._arguments(out)
+        return self._head(out)
+
+    def _outside(self, out: Parsed) -> bool:
+        i = self._text.find(CALL_OPEN)
+        if i >= 0:
+            before = self._text[:i].rstrip()  # blanks before a call only separate it
+            out.content += before
+            self._gap = self._text[len(before):i]  # given back if the tag holds no call
+            self._text = self._text[i + len(CALL_OPEN):]
+            self._in_tag, self._body, self._streamed, self._head_done = True, "", False, False
+            return True
+        keep = _held_back(self._text)  # a tail that may be the start of the opening tag
+        ready = self._text[:len(self._text) - keep]
+        stripped = ready.rstrip()  # whitespace waits: it may only separate calls
+        if stripped:
+            out.content += stripped
+            self._text = self._text[len(stripped):]
+        return False
+
+    def _head(self, out: Parsed) -> bool:
+        close = self._text.find(CALL_CLOSE)
+        m = HEAD.match(self._text)
+        if m and (close < 0 or m.end() <= close):
+            name = json.loads(f'"{m.group(1)}"')
+            call = Call(f"call_{uuid.uuid4().hex[:24]}", name)
+            self.calls.append(call)
+            out.calls.append(CallDelta(len(self.calls) - 1, "", call.id, name))
+            self._body += self._text[:m.end()]
+            self._text = self._text[m.end():]
+            self._streamed, self._head_done, self._args = True, True, _ArgsScanner()
+            return True
+        if close < 0:
+            return False
+        body, self._text = self._text[:close], self._text[close + len(CALL_CLOSE):]
+        self._in_tag = False
+        if self._streamed:  # after a streamed call: its closing brackets
+            return True
+        calls = _read_calls(self._body + body)
+        if calls is None:  # not a call: the text as the model wrote it
+            out.content += self._gap + CALL_OPEN + self._body + body + CALL_CLOSE
+            return True
+        for name, arguments in calls:
+            call = Call(f"call_{uuid.uuid4().hex[:24]}", name, arguments)
+            self.calls.append(call)
+            out.calls.append(CallDelta(len(self.calls) - 1, arguments, call.id, name))
+        return True
+
+    def _arguments(self, out: Parsed) -> bool:
+        if not self._args.started:
+            self._text = self._text.lstrip()  # the blank after "arguments":
+        n = self._args.scan(self._text)
+        piece, self._text = self._text[:n], self._text[n:]
+        if piece:
+            self.calls[-1].arguments += piece
+            out.calls.append(CallDelta(len(self.calls) - 1, piece))
+        if not self._args.done:
+            return False
+        # The arguments ended: this object closes; another may follow in a list.
+        tail = self._text.lstrip()
+        if not tail:
+            return False
+        if tail[0] == "}":
+            self._text = tail[1:]  # the call's object closed; the next call's head may follow
+        self._head_done = False
+        return True
+
+
+class _ArgsScanner:
+    """Finds where one JSON value ends, a character at a time (strings and escapes aware)."""
+
+    __slots__ = ("depth", "in_string", "escaped", "started", "done")
+
+    def __init__(self) -> None:
+        self.depth, self.in_string, self.escaped = 0, False, False
+        self.started = self.done = False
+
+    def scan(self, text: str) -> int:
+        """How many characters of text belong to the value (it starts at text[0])."""
+        for i, ch in enumerate(text):
+            if self.done:
+                return i
+            self.started = True
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif ch == "\\":
+                    self.escaped = True
+                elif ch == '"':
+                    self.in_string = False
+                    self.done = self.depth == 0
+            elif ch == '"':
+                self.in_string = True
+            elif ch == "<":  # never JSON outside a string: the tag closed mid-arguments
+                self.done = True
+                return i
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                if self.depth == 0:  # a scalar value ended at its object's close
+                    self.done = True
+                    return i
+                self.depth -= 1
+                self.done = self.depth == 0
+            elif self.depth == 0 and ch == ",":
+                self.done = True
+                return i
+        return len(text)
+
+
+def _read_calls(body: str) -> list[tuple[str, str]] | None:
+    """Calls in a tag body of any common shape, or None if it is no call."""
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return None
+    items = value if isinstance(value, list) else [value]
+    calls = []
+    for item in items:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            return None
+        args = item.get("arguments", item.get("parameters", {}))
+        calls.append((item["name"], args if isinstance(args, str) else
+                      json.dumps(args, ensure_ascii=False)))
+    return calls
+
+
+def _held_back(text: str) -> int:
+    for k in range(min(len(CALL_OPEN) - 1, len(text)), 0, -1):
+        if text.endswith(CALL_OPEN[:k]):
+            return k
+    return 0
+
+
+def openai_deltas(pieces: list[CallDelta]) -> list[dict]:
+    """Call pieces as OpenAI's `delta.tool_calls` entries (a call's consecutive pieces merged)."""
+    out: list[dict] = []
+    for p in pieces:
+        if out and p.id is None and out[-1]["index"] == p.index:
+            out[-1]["function"]["arguments"] += p.arguments
+            continue
+        entry: dict = {"index": p.index, "function": {"arguments": p.arguments}}
+        if p.id is not None:
+            entry = {"index": p.index, "id": p.id, "type": "function",
+                     "function": {"name": p.name, "arguments": p.arguments}}
+        out.append(entry)
+    return out
+
+
+def openai_calls(calls: list[Call]) -> list[dict]:
+    """A message's `tool_calls`."""
+    return [{"id": c.id, "type": "function",
+             "function": {"name": c.name, "arguments": c.arguments}} for c in calls]

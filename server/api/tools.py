@@ -1,0 +1,240 @@
+"""Tool calling: `tools` / `tool_choice` parsed, tools and tool turns rendered into the prompt,
+and the grammar that makes the model's calls well-formed.
+
+A chat template that knows tools (it reads `tools`, `tool_calls`) gets them natively. Others
+(SmolLM2-135M's has no tools) get a Hermes-style default: the tools listed in the system
+prompt, calls written `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, results fed
+back as `<tool_response>` turns. The grammar, in llguidance's Lark:
+- "required" or a named tool: the output is one call (several when parallel_tool_calls), each
+  object following its tool's parameter schema;
+- "auto": free text, but once the model writes `<tool_call>` the call must be well-formed
+  (a lazy lexeme: the text before the trigger is unconstrained);
+- "none": no tools in the prompt, no grammar, no parsing.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from server.api.errors import invalid, unsupported
+from server.api.structured import NAME, OutputFormat
+from server.engine.grammar import JSON_OPTIONS
+
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+
+
+@dataclass(slots=True, frozen=True)
+class Tool:
+    name: str
+    description: str
+    parameters: dict[str, Any]  # a JSON schema for the arguments object
+
+
+@dataclass(slots=True, frozen=True)
+class ToolUse:
+    """The request's tools and how the model may use them."""
+
+    tools: tuple[Tool, ...]
+    choice: str  # "none", "auto", "required" or "named"
+    name: str | None = None  # the tool of a named choice
+    parallel: bool = True
+
+    @property
+    def is_active(self) -> bool:
+        """Tools are offered to the model (and its output parsed for calls)."""
+        return self.choice != "none"
+
+
+def parse_tools(tools: Any, choice: Any, parallel: Any) -> ToolUse | None:
+    """`tools`, `tool_choice`, `parallel_tool_calls` (400 naming the field at fault)."""
+    if parallel is not None and not isinstance(parallel, bool):
+        raise invalid("parallel_tool_calls", "Invalid type for 'parallel_tool_calls': expected "
+                      "a boolean.")
+    if tools is None or tools == []:
+        if choice not in (None, "none"):
+            raise invalid("tool_choice", "Invalid value for 'tool_choice': 'tool_choice' is "
+                          "only allowed when 'tools' are specified.")
+        return None
+    if not isinstance(tools, list):
+        raise invalid("tools", "Invalid type for 'tools': expected an array.")
+    parsed = tuple(_tool(t, f"tools[{i}]") for i, t in enumerate(tools))
+    names = [t.name for t in parsed]
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            raise invalid(f"tools[{i}].function.name", f"Duplicate tool name: {name!r}.")
+    kind, name = _choice(choice, names)
+    return ToolUse(parsed, kind, name, parallel is not False)
+
+
+def _tool(v: Any, where: str) -> Tool:
+    if not isinstance(v, dict):
+        raise invalid(where, f"Invalid type for '{where}': expected an object.")
+    if v.get("type") != "function":
+        raise unsupported(f"{where}.type", f"tools of type {v.get('type')!r}; only 'function'")
+    for key in v:
+        if key not in ("type", "function"):
+            raise invalid(f"{where}.{key}", f"Unrecognized parameter '{where}.{key}'.")
+    fn = v.get("function")
+    if not isinstance(fn, dict):
+        raise invalid(f"{where}.function", f"Missing required parameter: '{where}.function'.")
+    for key in fn:
+        if key not in ("name", "description", "parameters", "strict"):
+            raise invalid(f"{where}.function.{key}",
+                          f"Unrecognized parameter '{where}.function.{key}'.")
+    name = fn.get("name")
+    if not isinstance(name, str) or not NAME.match(name):
+        raise invalid(f"{where}.function.name", f"Invalid '{where}.function.name': expected a "
+                      "string of letters, digits, underscores and dashes, at most 64 long.")
+    description = fn.get("description") or ""
+    if not isinstance(description, str):
+        raise invalid(f"{where}.function.description",
+                      f"Invalid type for '{where}.function.description': expected a string.")
+    parameters = fn.get("parameters") or EMPTY_PARAMETERS
+    if not isinstance(parameters, dict):
+        raise invalid(f"{where}.function.parameters",
+                      f"Invalid type for '{where}.function.parameters': expected a JSON "
+                      "schema object.")
+    if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
+        raise invalid(f"{where}.function.strict",
+                      f"Invalid type for '{where}.function.strict': expected a boolean.")
+    return Tool(name, description, parameters)
+
+
+def _choice(v: Any, names: list[str]) -> tuple[str, str | None]:
+    if v is None:
+        return "auto", None
+    if v in ("none", "auto", "required"):
+        return v, None
+    if isinstance(v, dict) and v.get("type") == "function":
+        fn = v.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if name not in names:
+            raise invalid("tool_choice", f"Invalid value for 'tool_choice': no tool named "
+                          f"{name!r} in 'tools'.")
+        return "named", name
+    if isinstance(v, dict) and isinstance(v.get("type"), str):
+        raise unsupported("tool_choice", f"tool_choice of type {v['type']!r}")
+    raise invalid("tool_choice", "Invalid value for 'tool_choice': expected 'none', 'auto', "
+                  "'required' or {\"type\": \"function\", \"function\": {\"name\": ...}}.")
+
+
+# -- the prompt ----------------------------------------------------------------------------------
+
+def tool_messages(messages: list[dict[str, Any]], use: ToolUse | None, template: str
+                  ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """(messages, tools) for the chat template: native where the template knows tools, the
+    Hermes-style default otherwise."""
+    offered = use is not None and use.is_active
+    native_tools = "tools" in template
+    native_calls = "tool_calls" in template
+    out = _native_turns(messages) if native_calls else _hermes_turns(messages)
+    if not offered:
+        return out, None
+    specs = [{"type": "function", "function": {"name": t.name, "description": t.description,
+                                               "parameters": t.parameters}} for t in use.tools]
+    if native_tools:
+        return out, specs
+    return _with_system(out, hermes_system_prompt(specs)), None
+
+
+def hermes_system_prompt(specs: list[dict[str, Any]]) -> str:
+    listed = "\n".join(json.dumps(s, ensure_ascii=False) for s in specs)
+    return ("You can call functions to help with the user's request. The functions you can "
+            f"call are listed in <tools></tools>:\n<tools>\n{listed}\n</tools>\n"
+            "To call a function, write its name and arguments as a JSON object within "
+            f"{CALL_OPEN}{CALL_CLOSE} tags:\n{CALL_OPEN}\n"
+            '{"name": <function-name>, "arguments": <arguments-object>}\n'
+            f"{CALL_CLOSE}")
+
+
+def _with_system(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
+    if messages and messages[0]["role"] == "system":
+        first = dict(messages[0], content=f"{messages[0]['content']}\n\n{text}")
+        return [first, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]
+
+
+def _native_turns(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Calls as Hugging Face templates take them: arguments as an object."""
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            calls = [{"type": "function", "id": c["id"], "function": {
+                "name": c["function"]["name"],
+                "arguments": parsed_arguments(c["function"]["arguments"])}}
+                for c in m["tool_calls"]]
+            m = dict(m, tool_calls=calls)
+        out.append(m)
+    return out
+
+
+def _hermes_turns(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Assistant tool calls written as <tool_call> text, tool results as <tool_response>
+    turns of the user (consecutive results in one turn), for templates without tools."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            calls = "\n".join(f"{CALL_OPEN}\n{call_json(c)}\n{CALL_CLOSE}"
+                              for c in m["tool_calls"])
+            text = f"{m['content']}\n{calls}" if m["content"] else calls
+            out.append({"role": "assistant", "content": text})
+        elif m["role"] == "tool":
+            block = f"<tool_response>\n{m['content']}\n</tool_response>"
+            if out and out[-1].get("is_tool_turn"):
+                out[-1]["content"] += "\n" + block
+            else:
+                out.append({"role": "user", "content": block, "is_tool_turn": True})
+        else:
+            out.append({"role": m["role"], "content": m["content"]})
+    return [{k: v for k, v in m.items() if k != "is_tool_turn"} for m in out]
+
+
+def call_json(call: dict[str, Any]) -> str:
+    """A past call as the model writes one (arguments as an object where they parse)."""
+    fn = call["function"]
+    return json.dumps({"name": fn["name"], "arguments": parsed_arguments(fn["arguments"])},
+                      ensure_ascii=False)
+
+
+def parsed_arguments(arguments: str) -> Any:
+    """A call's `arguments` string as JSON where it parses (templates expect an object)."""
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
+
+
+# -- the grammar ---------------------------------------------------------------------------------
+
+def tool_grammar(use: ToolUse, output: OutputFormat | None) -> str | None:
+    """The Lark grammar the output follows, or None (no constraint)."""
+    if not use.is_active:
+        return None
+    tools = [t for t in use.tools if use.choice != "named" or t.name == use.name]
+    schema = {"anyOf": [_call_schema(t) for t in tools]} if len(tools) > 1 else \
+        _call_schema(tools[0])
+    body = f"%json {json.dumps(schema | {'x-guidance': JSON_OPTIONS})}"
+    call = f'"\\n" call_body "\\n{CALL_CLOSE}"'
+    lines = ["%llguidance {}", f"call_body: {body}"]
+    if use.choice in ("required", "named"):
+        one = f'"{CALL_OPEN}" {call}'
+        lines.append(f'start: {one} ("\\n" {one})*' if use.parallel else f"start: {one}")
+    elif output is not None:  # auto with a response format: the JSON answer or calls
+        answer = json.dumps(output.schema | {"x-guidance": JSON_OPTIONS})
+        one = f'"{CALL_OPEN}" {call}'
+        calls = f'{one} ("\\n" {one})*' if use.parallel else one
+        lines += [f"answer: %json {answer}", f"start: answer | {calls}"]
+    else:  # auto: free text; once the model writes the opening tag, a well-formed call
+        lines += [f'call_head[lazy]: TEXT "{CALL_OPEN}"', f"tool_call: call_head {call}",
+                  "TEXT: /(.|\\n)*/"]
+        lines.append("start: tool_call* TEXT" if use.parallel else "start: TEXT | tool_call")
+    return "\n".join(lines)
+
+
+def _call_schema(tool: Tool) -> dict[str, Any]:
+    return {"type": "object", "properties": {"name": {"const": tool.name},
+                                             "arguments": tool.parameters},
+            "required": ["name", "arguments"], "additionalProperties": False}
