@@ -95,6 +95,40 @@ def test_completions_batch_and_line_errors_go_to_the_error_file(client):
     assert bad["response"]["body"]["error"]["param"] == "max_tokens"
 
 
+SCHEMA = {"type": "object", "properties": {
+    "title": {"type": "string", "maxLength": 8},
+    "score": {"type": "integer", "minimum": 0, "maximum": 10},
+    "labels": {"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 2}},
+    "required": ["title", "score", "labels"], "additionalProperties": False}
+
+
+def test_a_batch_of_schema_lines_completes_with_every_line_valid(client):
+    """The tiny random model writes no JSON by itself: every line is valid by construction
+    (the schema bounds the output, so temperature 1 always finishes within max_tokens)."""
+    import jsonschema
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "review", "schema": SCHEMA,
+                                                  "strict": True}}
+    lines = [chat_line(i, 120, response_format=fmt, temperature=1.0, seed=i, ignore_eos=False)
+             for i in range(8)]
+    lines.append({"custom_id": "bad-schema", "method": "POST", "url": "/v1/chat/completions",
+                  "body": lines[0]["body"] | {"response_format": {"type": "json_schema",
+                                                                 "json_schema": {
+                                                                     "name": "x", "schema": {
+                                                                         "type": "objekt"}}}}})
+    b = wait(client, submit(client, lines).id)
+    assert (b.status, b.request_counts.completed, b.request_counts.failed) == ("completed", 8, 1)
+    out = read_lines(client, b.output_file_id)
+    assert len(out) == 8
+    for line in out:
+        choice = line["response"]["body"]["choices"][0]
+        assert choice["finish_reason"] == "stop"
+        jsonschema.validate(json.loads(choice["message"]["content"]), SCHEMA)
+    [bad] = read_lines(client, b.error_file_id)
+    assert bad["response"]["status_code"] == 400
+    assert bad["response"]["body"]["error"]["param"] == "response_format"
+
+
 @pytest.mark.parametrize(("make_lines", "line", "code"), [
     (lambda: [chat_line(0), "{oops"], 2, "invalid_json_line"),
     (lambda: [chat_line(0), chat_line(0)], 2, "duplicate_custom_id"),

@@ -1,0 +1,133 @@
+"""Tool calls: the output parser (exact, at every chunking), the prompt a template without
+tools gets, and tools through the official client on the tiny model (n, seed, logprobs)."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from server.api.tool_calls import ToolCallParser, openai_deltas
+from server.api.tools import hermes_system_prompt, parse_tools, tool_messages
+from tests.api.conftest import MODEL
+from tests.helpers import CHAT_TEMPLATE
+
+
+def parse(pieces: list[str]):
+    parser = ToolCallParser()
+    content, deltas = "", []
+    for piece in pieces:
+        out = parser.feed(piece)
+        content, deltas = content + out.content, deltas + out.calls
+    out = parser.finish()
+    return content + out.content, [(c.name, c.arguments) for c in parser.calls], deltas
+
+
+CASES = [
+    # the grammar's shape: content before, one call
+    ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa\\"ris}"}}'
+     "\n</tool_call>", "Let me check.", [("get_weather", '{"city": "Pa\\"ris}"}')]),
+    # SmolLM2's own shape: a list in one tag; then a second tag; trailing blanks dropped
+    ('<tool_call>[{"name": "a", "arguments": {"x": [1, {"y": 2}]}}, {"name": "b", '
+     '"arguments": {}}]</tool_call>\n<tool_call>{"name": "c", "arguments": {"z": "<"}}'
+     "</tool_call>\n ", "", [("a", '{"x": [1, {"y": 2}]}'), ("b", "{}"), ("c", '{"z": "<"}')]),
+    # keys in another order, "parameters": read whole at the closing tag
+    ('<tool_call>{"parameters": {"x": 1}, "name": "a"}</tool_call> done', " done",
+     [("a", '{"x": 1}')]),
+    # not a call: the text stays content, untouched
+    ("a <tool_call>not json</tool_call> b <tool_c", "a <tool_call>not json</tool_call> b "
+     "<tool_c", []),
+    # cut off by max_tokens inside the arguments: the call so far
+    ('<tool_call>\n{"name": "a", "arguments": {"x": 1, "y"', "", [("a", '{"x": 1, "y"')]),
+    ("no calls at all  \n", "no calls at all  \n", []),
+]
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), CASES)
+def test_every_chunking_gives_the_same_content_and_calls(text, content, calls):
+    assert parse([text])[:2] == (content, calls)
+    for cut in range(1, len(text)):  # every split in two
+        assert parse([text[:cut], text[cut:]])[:2] == (content, calls), cut
+    assert parse(list(text))[:2] == (content, calls)  # a character at a time
+
+
+def test_streamed_pieces_give_the_name_first_then_the_arguments():
+    text = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
+    parser = ToolCallParser()
+    events = [e for ch in text for e in openai_deltas(parser.feed(ch).calls)]
+    assert openai_deltas(parser.finish().calls) == []
+    head, *rest = events
+    assert head["function"] == {"name": "f", "arguments": ""} and head["index"] == 0
+    assert head["id"].startswith("call_") and head["type"] == "function"
+    assert [e["function"]["arguments"] for e in rest] == list('{"a": 1}')  # as they came
+    # Fed at once, the call's pieces merge into one entry.
+    assert [e["function"] for e in openai_deltas(ToolCallParser().feed(text).calls)] == \
+        [{"name": "f", "arguments": '{"a": 1}'}]
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+    "required": ["city"], "additionalProperties": False}}}
+
+
+def test_a_template_without_tools_gets_them_in_the_system_prompt_and_tool_turns():
+    use = parse_tools([WEATHER], "auto", None)
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "21 C"},
+        {"role": "tool", "tool_call_id": "call_2", "content": "sunny"},
+    ]
+    out, tools = tool_messages(messages, use, CHAT_TEMPLATE)
+    spec = {"type": "function", "function": {"name": "get_weather", "description": "",
+                                             "parameters": WEATHER["function"]["parameters"]}}
+    assert tools is None  # the template cannot render them: they are in the system prompt
+    assert out == [
+        {"role": "system", "content": "Be brief.\n\n" + hermes_system_prompt([spec])},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": '<tool_call>\n{"name": "get_weather", "arguments": '
+                                         '{"city": "Paris"}}\n</tool_call>'},
+        {"role": "user", "content": "<tool_response>\n21 C\n</tool_response>\n"
+                                    "<tool_response>\nsunny\n</tool_response>"},
+    ]
+    # A template that knows tools gets them as they are.
+    native = "{% if tools %}{{ tools | tojson }}{% endif %}{% for m in messages %}" \
+             "{{ m.tool_calls }}{% endfor %}"
+    out, tools = tool_messages(messages, use, native)
+    assert tools == [spec] and out[2]["tool_calls"][0]["function"]["arguments"] == \
+        {"city": "Paris"}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_required_calls_with_n_seed_and_logprobs(client, stream):
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Weather?"}],
+              tools=[WEATHER], tool_choice="required", parallel_tool_calls=False, n=2,
+              seed=5, temperature=1.0, max_tokens=120, logprobs=True)
+    whole = client.chat.completions.create(**kw)
+    if stream:
+        calls: dict[tuple[int, int], list[str]] = {}
+        finish = {}
+        for chunk in client.chat.completions.create(stream=True, **kw):
+            for c in chunk.choices:
+                assert not c.delta.content
+                for d in c.delta.tool_calls or []:
+                    entry = calls.setdefault((c.index, d.index), ["", ""])
+                    entry[0] += d.function.name or ""
+                    entry[1] += d.function.arguments or ""
+                finish[c.index] = c.finish_reason or finish.get(c.index)
+        assert finish == {0: "tool_calls", 1: "tool_calls"}
+        assert {k: tuple(v) for k, v in calls.items()} == {
+            (c.index, 0): (c.message.tool_calls[0].function.name,
+                           c.message.tool_calls[0].function.arguments) for c in whole.choices}
+        return
+    assert len(whole.choices) == 2
+    for c in whole.choices:
+        assert c.finish_reason == "tool_calls" and c.message.content is None
+        [call] = c.message.tool_calls
+        assert call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments),
+                            WEATHER["function"]["parameters"])
+        assert c.logprobs.content  # one entry per token, the call's tokens included
