@@ -146,6 +146,7 @@ class GrammarMasks:
     def prefetch(self, states: list[GrammarState]) -> None:
         """Start the next step's masks (after wait() and the states' accepts)."""
         self.wait()
+        self._ready = {}  # computed before these accepts: stale, and holding finished states
         if states:
             self._pending = self._pool.submit(self._compute, states)
 
@@ -193,4 +194,6 @@ def _llg_tokenizer(tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) ->
 
 
 def _first_line(message: str) -> str:
-    return message.strip().splitlines()[0] if message.strip() else "invalid grammar"
+    """llguidance's message on one line (a regex error spans several), at most 300 long."""
+    text = " ".join(message.split())
+    return (text[:297] + "...") if len(text) > 300 else text or "invalid grammar"
