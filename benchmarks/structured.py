@@ -277,21 +277,17 @@ async def round_(url: str, constrained: bool, streams: int, tokens: int) -> floa
 
 
 def bench_throughput(rounds: int, streams: int, tokens: int, model: str) -> None:
-    import httpx
+    sys.path.insert(0, str(Path(__file__).parent))
+    from compare_llama_server import free_port, wait_ready
 
+    port = free_port()
     log = Path(tempfile.mkdtemp()) / "server.log"
     proc = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", model, "--port",
-                             "8765"], stderr=log.open("w"), stdout=subprocess.DEVNULL,
+                             str(port)], stderr=log.open("w"), stdout=subprocess.DEVNULL,
                             env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    url = "http://127.0.0.1:8765"
+    url = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(600):
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
+        wait_ready(url, proc)
         asyncio.run(round_(url, True, 2, 16))  # warm: compile the schema once, load kernels
         results = {True: [], False: []}
         for _ in range(rounds):
