@@ -33,6 +33,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "or LOCALSERVE_API_KEY, comma-separated)")
     p.add_argument("--kv-cache-mb", type=int, default=None,
                    help="KV cache pool (default: a fifth of available memory)")
+    p.add_argument("--prefix-cache-mb", type=int, default=256,
+                   help="prefix-cache memory kept beyond running requests before fresh memory "
+                   "is preferred to it (default 256)")
+    p.add_argument("--idle-release-seconds", type=float, default=60.0,
+                   help="after this long idle, hand KV memory back to the OS but "
+                   "--idle-cache-mb of cache (default 60; 0: never)")
+    p.add_argument("--idle-cache-mb", type=int, default=32,
+                   help="prefix cache an idle server keeps (default 32)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step")
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per step")
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's")
@@ -80,6 +88,9 @@ FLAGS = {
     "max_num_batched_tokens": ("--max-num-batched-tokens", "max_num_batched_tokens"),
     "max_model_len": ("--max-model-len", "max_model_len"),
     "kv_cache_bytes": ("--kv-cache-mb", "kv_cache_mb"),
+    "prefix_cache_bytes": ("--prefix-cache-mb", "prefix_cache_mb"),
+    "idle_release_seconds": ("--idle-release-seconds", "idle_release_seconds"),
+    "idle_cache_bytes": ("--idle-cache-mb", "idle_cache_mb"),
     "max_itl_stretch": ("--max-itl-stretch", "max_itl_stretch"),
     "max_pending": ("--max-pending", "max_pending"),
     "max_body_bytes": ("--max-body-mb", "max_body_mb"),
@@ -117,7 +128,10 @@ def run(args: argparse.Namespace) -> int:
                 kv_cache_bytes=None if args.kv_cache_mb is None else args.kv_cache_mb << 20,
                 enable_prefix_caching=not args.no_prefix_caching,
                 kv_cache_dtype=DTYPES[args.kv_cache_dtype] if args.kv_cache_dtype else None,
-                max_itl_stretch=args.max_itl_stretch or None),
+                max_itl_stretch=args.max_itl_stretch or None,
+                prefix_cache_bytes=args.prefix_cache_mb << 20,
+                idle_release_seconds=args.idle_release_seconds or None,
+                idle_cache_bytes=args.idle_cache_mb << 20),
             device=args.device, dtype=args.dtype, threads=args.threads,
             prices=Prices(args.price_input, args.price_output, args.batch_discount),
             batch_window_seconds=args.batch_window,

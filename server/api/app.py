@@ -104,6 +104,19 @@ def load_into(state: ServerState) -> None:
     state.attach(engine, stored.name)
 
 
+def kv_summary(stats: dict, config) -> str:
+    """What the KV pool may hold, said once at start (the README explains the defaults)."""
+    total = stats["kv_blocks_total"]
+    block_tokens = config.block_size
+    mb = total * stats["kv_block_bytes"] >> 20
+    idle = (f"after {config.idle_release_seconds:g} s idle it keeps "
+            f"{config.idle_cache_bytes >> 20} MB" if config.idle_release_seconds else
+            "no idle release")
+    return (f"KV cache: up to {total * block_tokens} tokens ({mb} MB), resident only as used; "
+            f"the prefix cache keeps up to {config.prefix_cache_bytes >> 20} MB beyond running "
+            f"requests; {idle}")
+
+
 def create_app(settings: ServerSettings, state: ServerState | None = None) -> Starlette:
     state = state or ServerState(settings)
 
@@ -113,7 +126,8 @@ def create_app(settings: ServerSettings, state: ServerState | None = None) -> St
             try:
                 if state.engine is None:
                     await asyncio.to_thread(load_into, state)
-                log.info("model %s ready", state.served_name)
+                log.info("model %s ready; %s", state.served_name,
+                         kv_summary(state.engine.stats(), settings.engine))
             except Exception as e:  # noqa: BLE001 - reported by /health and every request
                 state.load_error = f"{type(e).__name__}: {e}"
                 log.error("loading %s failed: %s", settings.model, state.load_error)

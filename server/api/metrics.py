@@ -72,6 +72,11 @@ def render(model: str, api: ApiMetrics, stats: dict[str, Any] | None) -> str:
                [(m, stats["kv_blocks_used"])])
         metric("kv_cache_blocks_total", "gauge", "KV-cache blocks in the pool.",
                [(m, stats["kv_blocks_total"])])
+        metric("kv_cache_resident_bytes", "gauge", "KV-cache memory written and not handed "
+               "back (blocks times block bytes).",
+               [(m, stats["kv_blocks_resident"] * stats["kv_block_bytes"])])
+        metric("kv_cache_blocks_cached_free", "gauge", "Free KV-cache blocks still holding "
+               "prefix-cache content (evictable).", [(m, stats["kv_blocks_cached_free"])])
         metric("prefix_cache_queries_total", "counter", "Prompt tokens looked up in the "
                "prefix cache.", [(m, stats["prefix_cache_queries"])])
         metric("prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache.",

@@ -156,12 +156,20 @@ class AsyncEngine:
 
     def _loop(self) -> None:
         engine = self.engine
+        idle_after = engine.config.idle_release_seconds
+        idle_since: float | None = None  # None: busy, or idle memory already handed back
         while not self._stopping:
             self._drain_inbox()
             if not engine.has_unfinished:
+                idle_since = idle_since or time.monotonic()
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
+                if idle_after is not None and time.monotonic() - idle_since >= idle_after \
+                        and not self._inbox.qsize():
+                    engine.release_idle()
+                    idle_since = float("inf")  # once per idle period
                 continue
+            idle_since = None
             t = time.perf_counter()
             try:
                 step = engine.step()

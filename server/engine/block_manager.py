@@ -1,16 +1,26 @@
-"""The paged KV cache's bookkeeping: blocks, reference counts, the prefix cache. No torch.
+"""The paged KV cache's bookkeeping: blocks, reference counts, the prefix cache, and which
+blocks' memory is resident. No torch.
 
 A full block is known by a chained hash of (parent block's hash, its token ids), salted per
 tenant so tenants never share cache; a hit is verified against the stored token ids. Blocks are
-reference-counted. A block whose count drops to zero goes to the tail of the free queue but
-keeps its hash, so a later request can still reuse it until it is taken for new data (least
-recently freed first). A sequence's blocks are freed tail-first, so the end of a chain is
-evicted before its beginning.
+reference-counted. A block whose count drops to zero keeps its hash, so a later request can
+still reuse it until it is taken for new data (least recently freed first). A sequence's blocks
+are freed tail-first, so the end of a chain is evicted before its beginning.
+
+The pool is reserved, not resident: a block's memory becomes resident the first time it is
+written. So a free block is taken in this order: one already resident that caches nothing
+(lowest id first); a cached one, least recently freed, once more than `cache_budget` blocks
+sit cached; a block never touched (lowest id first, so the resident part stays packed at the
+low ids); and only when none is left, a cached one anyway. Resident memory then follows the
+peak of running sequences plus the cache budget, not the pool's size. `release_idle` hands back
+what an idle server does not need: the blocks that cache nothing and the cached ones beyond a
+budget; the runner returns their pages to the OS and they count as never touched again.
 """
 
 from __future__ import annotations
 
 import hashlib
+import heapq
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -24,6 +34,7 @@ class Block:
     ref_count: int = 0
     block_hash: bytes | None = None  # set once the block is full and registered
     token_ids: tuple[int, ...] = ()  # the tokens behind block_hash, to verify hits
+    is_resident: bool = False  # written since the pool was made or its memory handed back
 
 
 def chain_hash(parent: bytes | None, token_ids: list[int] | tuple[int, ...], salt: str) -> bytes:
@@ -34,22 +45,38 @@ def chain_hash(parent: bytes | None, token_ids: list[int] | tuple[int, ...], sal
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 cache_budget: int | None = None):
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        # Free blocks holding cached content kept before fresh memory is preferred to them.
+        self.cache_budget = num_blocks if cache_budget is None else cache_budget
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # The free blocks, in three groups (see the module docstring for the order they go):
+        self.free_cached: OrderedDict[int, None] = OrderedDict()  # least recently freed first
+        self.free_resident: list[int] = []  # a heap: resident, caching nothing
+        self.free_fresh: list[int] = list(range(num_blocks))  # a heap: never touched
         self.cached: dict[bytes, int] = {}  # block hash -> block id
         self.num_cache_queries = 0  # prompt tokens looked up in the prefix cache
         self.num_cache_hits = 0  # of those, tokens found
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_queue)
+        return len(self.free_cached) + len(self.free_resident) + len(self.free_fresh)
 
     @property
     def num_used_blocks(self) -> int:
-        return len(self.blocks) - len(self.free_queue)
+        return len(self.blocks) - self.num_free_blocks
+
+    @property
+    def num_resident_blocks(self) -> int:
+        """Blocks whose memory has been written and not handed back."""
+        return len(self.blocks) - len(self.free_fresh)
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        """Free blocks still holding cached content (evictable)."""
+        return len(self.free_cached)
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """New blocks `seq` needs to hold its first `num_tokens` tokens."""
@@ -105,14 +132,25 @@ class BlockManager:
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
         """Give seq the blocks to compute num_new_tokens more tokens."""
         for _ in range(self.blocks_needed(seq, seq.num_computed_tokens + num_new_tokens)):
-            block_id, _ = self.free_queue.popitem(last=False)  # least recently freed
-            block = self.blocks[block_id]
-            if block.block_hash is not None:  # evict its cached content
-                if self.cached.get(block.block_hash) == block_id:
-                    del self.cached[block.block_hash]
-                block.block_hash, block.token_ids = None, ()
-            block.ref_count = 1
-            seq.block_table.append(block_id)
+            block = self.blocks[self._pop_free()]
+            block.ref_count, block.is_resident = 1, True
+            seq.block_table.append(block.block_id)
+
+    def _pop_free(self) -> int:
+        """The free block to write next (the order is the module docstring's)."""
+        if self.free_resident:
+            return heapq.heappop(self.free_resident)
+        if self.free_cached and (len(self.free_cached) > self.cache_budget
+                                 or not self.free_fresh):
+            block_id, _ = self.free_cached.popitem(last=False)
+            self._evict(self.blocks[block_id])
+            return block_id
+        return heapq.heappop(self.free_fresh)
+
+    def _evict(self, block: Block) -> None:
+        if self.cached.get(block.block_hash) == block.block_id:
+            del self.cached[block.block_hash]
+        block.block_hash, block.token_ids = None, ()
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register seq's blocks that are full of computed tokens (call after each step)."""
@@ -138,17 +176,38 @@ class BlockManager:
             block.ref_count -= 1
             assert block.ref_count >= 0, f"block {block_id} freed twice"
             if block.ref_count == 0:
-                self.free_queue[block_id] = None
+                if block.block_hash is not None:
+                    self.free_cached[block_id] = None
+                else:
+                    heapq.heappush(self.free_resident, block_id)
         seq.block_table = []
         seq.num_hashed_blocks, seq.last_block_hash = 0, None
+
+    def release_idle(self, keep_cached: int) -> list[int]:
+        """The blocks whose memory an idle server can hand back: every free block that caches
+        nothing and the least recently freed cached ones beyond `keep_cached` (evicted). They
+        count as never touched from now on; the caller returns their pages to the OS."""
+        released = list(self.free_resident)
+        self.free_resident = []
+        while len(self.free_cached) > keep_cached:
+            block_id, _ = self.free_cached.popitem(last=False)
+            self._evict(self.blocks[block_id])
+            released.append(block_id)
+        for block_id in released:
+            self.blocks[block_id].is_resident = False
+            heapq.heappush(self.free_fresh, block_id)
+        return sorted(released)
 
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]
         if block.ref_count == 0:
-            del self.free_queue[block_id]
+            del self.free_cached[block_id]  # a hit: only cached blocks are taken by id
         block.ref_count += 1
 
     def reset_prefix_cache(self) -> None:
+        for block_id in self.free_cached:
+            heapq.heappush(self.free_resident, block_id)
+        self.free_cached.clear()
         for block in self.blocks:
             block.block_hash, block.token_ids = None, ()
         self.cached.clear()

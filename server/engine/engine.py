@@ -55,10 +55,18 @@ class EngineConfig:
     # costs, see PrefillPacer). None: chunks are bounded by max_num_batched_tokens only.
     max_itl_stretch: float | None = 1.5
     long_prompt_tokens: int = 256  # only prompts longer than this are paced
+    # Memory: the pool is reserved, resident only where written (block_manager.py). Cached
+    # blocks kept beyond running sequences before fresh memory is preferred to them; at 256 MB
+    # the shared-prompt hit rate of the soak is today's (benchmarks/memory_soak.py).
+    prefix_cache_bytes: int = 256 << 20
+    # Idle this long (None: never), the server hands back all KV memory but this much cache.
+    idle_release_seconds: float | None = 60.0
+    idle_cache_bytes: int = 32 << 20
 
     def __post_init__(self) -> None:
         at_least(self, 1, "block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens",
                  "max_model_len", "max_num_shared_seqs", "long_prompt_tokens")
+        at_least(self, 0, "prefix_cache_bytes", "idle_release_seconds", "idle_cache_bytes")
         budget = self.kv_cache_bytes
         if budget is not None and not budget >= 1 << 20:
             raise ConfigError("kv_cache_bytes", f"must be at least 1 MiB, got {budget}")
@@ -89,13 +97,16 @@ class Engine:
     def __init__(self, model, config: EngineConfig, device, dtype) -> None:
         model_len = model.config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or model_len, model_len)
+        self.block_bytes = kv_bytes_per_block(model.config, config.block_size,
+                                              config.kv_cache_dtype or dtype)
+        # By need (every sequence at the full context), within the memory budget.
+        need = config.max_num_seqs * -(-self.max_model_len // config.block_size)
         budget = config.kv_cache_bytes or default_kv_cache_bytes(device)
-        num_blocks = config.num_blocks or max(
-            1, budget // kv_bytes_per_block(model.config, config.block_size,
-                                            config.kv_cache_dtype or dtype))
+        num_blocks = config.num_blocks or max(1, min(need, budget // self.block_bytes))
         self.config = config
         self.block_manager = BlockManager(num_blocks, config.block_size,
-                                          config.enable_prefix_caching)
+                                          config.enable_prefix_caching,
+                                          config.prefix_cache_bytes // self.block_bytes)
         self.pacer = PrefillPacer(config.max_itl_stretch, MIN_PREFILL_CHUNK)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.max_model_len,
@@ -145,6 +156,14 @@ class Engine:
         for seq in finished:
             self.runner.release(seq)
 
+    def release_idle(self) -> int:
+        """Idle: hand back the KV memory the cache does not keep, and the allocator's free
+        memory. Returns the KV bytes given back to the OS."""
+        keep = self.config.idle_cache_bytes // self.block_bytes
+        released = self.runner.release_blocks(self.block_manager.release_idle(keep))
+        release_freed_memory()
+        return released
+
     def stats(self) -> dict[str, Any]:
         """A snapshot of the counters behind /metrics."""
         bm, sched, m = self.block_manager, self.scheduler, self.metrics
@@ -153,6 +172,9 @@ class Engine:
             "num_waiting": len(sched.waiting),
             "kv_blocks_used": bm.num_used_blocks,
             "kv_blocks_total": len(bm.blocks),
+            "kv_blocks_resident": bm.num_resident_blocks,
+            "kv_blocks_cached_free": bm.num_cached_free_blocks,
+            "kv_block_bytes": self.block_bytes,
             "prefix_cache_queries": bm.num_cache_queries,
             "prefix_cache_hits": bm.num_cache_hits,
             "num_preemptions": sched.num_preemptions,

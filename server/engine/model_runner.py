@@ -10,7 +10,7 @@ from server.engine.sampler import Sampler, chosen_first
 from server.engine.scheduler import SchedulerOutput
 from server.models.attention import build_metadata
 from server.models.batch import ForwardBatch
-from server.models.simple import allocate_kv
+from server.models.simple import allocate_kv, release_slots
 from server.quant.rows import UnpackedWeights, end_step, split_rows
 
 
@@ -36,6 +36,16 @@ class ModelRunner:
         self.kv_caches = allocate_kv(model, num_blocks * block_size, device, kv_dtype or dtype)
         self.sampler = Sampler(model.config.vocab_size)
         self.unpacked = UnpackedWeights(model)  # int4 layers' bf16 copies while prompts run
+
+    def release_blocks(self, block_ids: list[int]) -> int:
+        """Hand these blocks' pages back to the OS; returns the bytes given back."""
+        runs: list[tuple[int, int]] = []  # consecutive block ids as slot ranges
+        for b in block_ids:
+            if runs and runs[-1][1] == b * self.block_size:
+                runs[-1] = (runs[-1][0], (b + 1) * self.block_size)
+            else:
+                runs.append((b * self.block_size, (b + 1) * self.block_size))
+        return release_slots(self.kv_caches, runs)
 
     def release(self, seq) -> None:
         """A sequence left the engine: drop its sampling state (its seeded generator)."""

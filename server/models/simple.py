@@ -6,11 +6,16 @@ batched path; these serve `localserve eval`, quick answers and the reference in 
 
 from __future__ import annotations
 
+import ctypes
+import os
+
 import torch
 from torch import nn
 
 from server.models.attention import NULL_SLOT, build_metadata
 from server.models.batch import ForwardBatch
+
+MADV_DONTNEED = 4  # Linux
 
 
 def allocate_kv(model: nn.Module, num_slots: int, device, dtype) -> list[tuple[torch.Tensor, ...]]:
@@ -30,6 +35,32 @@ def allocate_kv(model: nn.Module, num_slots: int, device, dtype) -> list[tuple[t
         v[:, NULL_SLOT].zero_()
         caches.append((k, v))
     return caches
+
+
+def release_slots(caches: list[tuple[torch.Tensor, ...]], ranges: list[tuple[int, int]]) -> int:
+    """Give the OS back the whole pages inside these [start, end) slot ranges of every layer
+    (madvise MADV_DONTNEED: they read as zeros when next touched, so only slots that hold
+    nothing anyone reads may be passed). CPU only; returns the bytes given back."""
+    if not ranges or caches[0][0].device.type != "cpu" or not hasattr(os, "sysconf"):
+        return 0
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return 0
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    page = os.sysconf("SC_PAGE_SIZE")
+    released = 0
+    for layer in caches:
+        for t in layer:  # [num_kv_heads, num_slots + 1, head_dim], contiguous
+            slot_bytes = t.shape[2] * t.element_size()
+            for h in range(t.shape[0]):
+                base = t.data_ptr() + h * t.stride(0) * t.element_size()
+                for start, end in ranges:
+                    lo = -(-(base + start * slot_bytes) // page) * page
+                    hi = (base + end * slot_bytes) // page * page
+                    if hi > lo and madvise(lo, hi - lo, MADV_DONTNEED) == 0:
+                        released += hi - lo
+    return released
 
 
 def _param_dtype(model: nn.Module) -> torch.dtype:

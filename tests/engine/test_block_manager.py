@@ -27,9 +27,11 @@ def test_allocate_takes_blocks_in_order_and_frees_tail_first():
     assert a.block_table == [0, 1, 2]
     assert bm.num_free_blocks == 5
     bm.free(a)
-    # Free queue was [3..7]; a's blocks go to the tail, last block first.
-    assert list(bm.free_queue) == [3, 4, 5, 6, 7, 2, 1, 0]
-    assert all(b.ref_count == 0 for b in bm.blocks)
+    # Tail first: block 2 (partial, caches nothing) is resident and free; 1 then 0 (full,
+    # cached) join the cached blocks in that order; 3-7 were never touched.
+    assert (bm.free_resident, list(bm.free_cached), sorted(bm.free_fresh)) == \
+        ([2], [1, 0], [3, 4, 5, 6, 7])
+    assert all(b.ref_count == 0 for b in bm.blocks) and bm.num_resident_blocks == 3
 
 
 def test_full_blocks_are_cached_and_hit():
@@ -65,13 +67,13 @@ def test_freed_blocks_stay_cached_until_reused_lru():
     bm = BlockManager(num_blocks=4, block_size=4)
     a = seq(range(9))  # blocks 0, 1 (cached), 2 (partial)
     admit(bm, a)
-    bm.free(a)  # free queue: [3, 2, 1, 0]
+    bm.free(a)  # resident [2], cached [1, 0], fresh [3]
     b = seq(range(9))
-    assert admit(bm, b) == [0, 1]  # revived from the free queue
-    assert b.block_table == [0, 1, 3] and list(bm.free_queue) == [2]
-    bm.free(b)  # [2] + b's blocks tail first: [2, 3, 1, 0]
-    c = seq([50, 51, 52, 53, 54, 55, 56, 57, 58])  # needs 3 new blocks: takes 2, 3, 1
-    admit(bm, c)
+    assert admit(bm, b) == [0, 1]  # revived from the cached free blocks
+    assert b.block_table == [0, 1, 2]  # its third block: the resident one before fresh 3
+    bm.free(b)  # resident [2], cached [1, 0], fresh [3]
+    c = seq([50, 51, 52, 53, 54, 55, 56, 57, 58])  # 3 new blocks: resident 2, fresh 3, then
+    admit(bm, c)                                    # the least recently freed cached one, 1
     assert c.block_table == [2, 3, 1]
     # Block 1 (the chain's tail) was evicted, block 0 (its head) survives.
     assert bm.match_prefix(seq(range(9))) == [0]
@@ -106,3 +108,49 @@ def test_prefix_cache_off():
     bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
     admit(bm, seq(range(9)))
     assert bm.match_prefix(seq(range(9))) == [] and bm.cached == {}
+
+
+def test_allocation_prefers_resident_memory_then_fresh_within_the_cache_budget():
+    def pool(cache_budget):
+        bm = BlockManager(num_blocks=8, block_size=4, cache_budget=cache_budget)
+        a, b = seq(range(12)), seq(range(100, 106))
+        admit(bm, a)  # blocks 0, 1, 2: all full, all cached
+        admit(bm, b)  # blocks 3 (full, cached) and 4 (partial)
+        bm.free(a)
+        bm.free(b)  # cached, least recent first: [2, 1, 0, 3]; resident [4]; fresh [5, 6, 7]
+        c = seq(range(200, 216))  # 16 new tokens: 4 blocks
+        admit(bm, c)
+        return bm, c
+
+    # Within budget (8): the resident block 4, then fresh memory; the cache stays whole.
+    bm, c = pool(8)
+    assert c.block_table == [4, 5, 6, 7] and list(bm.free_cached) == [2, 1, 0, 3]
+    assert bm.num_resident_blocks == 8
+    # Budget 1: 4 cached blocks is 3 too many, so after block 4 the least recent cached ones
+    # (2, 1, 0) are reused before any fresh memory is touched.
+    bm, c = pool(1)
+    assert c.block_table == [4, 2, 1, 0] and list(bm.free_cached) == [3]
+    assert sorted(bm.free_fresh) == [5, 6, 7] and bm.num_resident_blocks == 5
+    assert bm.match_prefix(seq(range(12))) == []  # a's chain is gone: its head was evicted
+
+
+def test_idle_release_frees_all_but_the_most_recent_cache():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a, b = seq(range(12)), seq(range(100, 106))
+    admit(bm, a)
+    admit(bm, b)
+    bm.free(a)
+    bm.free(b)  # cached [2, 1, 0, 3]; resident [4]; fresh [5, 6, 7]
+    c = seq(range(200, 217))  # 17 tokens: 5 blocks, 4 5 6 7 then the LRU cached 2
+    admit(bm, c)
+    assert c.block_table == [4, 5, 6, 7, 2]
+    bm.free(c)  # 2 (partial: resident), then 7, 6, 5, 4 cached: [1, 0, 3, 7, 6, 5, 4]
+    released = bm.release_idle(keep_cached=2)
+    # Every block that caches nothing (2) and the cached ones beyond the 2 most recent.
+    assert released == [0, 1, 2, 3, 6, 7]
+    assert list(bm.free_cached) == [5, 4] and bm.num_resident_blocks == 2
+    assert not any(bm.blocks[i].is_resident or bm.blocks[i].block_hash for i in released)
+    assert bm.match_prefix(c) == [4, 5]  # c's first two blocks survive
+    d = seq(range(300, 306))
+    admit(bm, d)
+    assert d.block_table == [0, 1]  # handed-back memory counts as fresh, lowest ids first

@@ -22,12 +22,6 @@ def models(request):
     return hf, ours
 
 
-@pytest.fixture(scope="module")
-def llama():
-    hf = hf_model("llama", seed=8)
-    return build_model(our_config(hf), dict(hf.state_dict()), {}, CPU, torch.float32)
-
-
 def prompt(n, seed):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, 260, (n,), generator=g).tolist()

@@ -7,7 +7,6 @@ import json
 
 import jsonschema
 import pytest
-import torch
 
 from server.engine.grammar import (
     GrammarCompiler,
@@ -17,7 +16,7 @@ from server.engine.grammar import (
     lark_grammar,
 )
 from server.engine.sequence import PRIORITY_BATCH, SamplingParams, Sequence, SequenceStatus
-from tests.engine.test_engine import CPU, prompt, run
+from tests.engine.test_engine import prompt, run
 from tests.helpers import VOCAB_SIZE, make_tokenizer
 
 EOS = 2  # <|im_end|> of the tiny tokenizer
@@ -125,12 +124,3 @@ def test_greedy_under_a_grammar_starts_where_the_grammar_says(llama, compiler):
     run(llama, [s])
     assert s.output_token_ids[0] == make_tokenizer().convert_tokens_to_ids("{")
     assert s.status == SequenceStatus.FINISHED_STOPPED
-
-
-@pytest.fixture(scope="module")
-def llama():
-    from server.models.loader import build_model
-    from tests.helpers import hf_model, our_config
-
-    hf = hf_model("llama", seed=8)
-    return build_model(our_config(hf), dict(hf.state_dict()), {}, CPU, torch.float32)

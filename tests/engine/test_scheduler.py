@@ -230,7 +230,8 @@ def check_accounting(s: Scheduler):
     for block in bm.blocks:
         assert block.ref_count >= 0
         assert block.ref_count == owners[block.block_id], block
-        assert (block.ref_count == 0) == (block.block_id in bm.free_queue)
+        free = {*bm.free_cached, *bm.free_resident, *bm.free_fresh}
+        assert (block.ref_count == 0) == (block.block_id in free)
     for x in s.waiting:
         assert x.block_table == [] and x.num_computed_tokens == 0
     for block_hash, block_id in bm.cached.items():
