@@ -115,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
 
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be 0..65535, got {args.port}")
+    _log_to_stderr(args.log_level)
     keys = tuple(args.api_key or [k for k in os.environ.get("LOCALSERVE_API_KEY", "").split(",")
                                   if k])
     try:  # the settings check themselves; an error names its flag
@@ -230,3 +231,14 @@ class DrainingServer(uvicorn.Server):
                 state.num_http_inflight == 0 or time.monotonic() > self.drain_deadline):
             self.should_exit = True
         return await super().on_tick(counter)
+
+
+def _log_to_stderr(level: str) -> None:
+    """The server's own log lines (model ready and what its KV pool holds, batches) on stderr,
+    beside uvicorn's."""
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("localserve: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(level.upper())
+        log.propagate = False

@@ -132,3 +132,29 @@ def test_kv_cache_dtype_bf16_doubles_the_pool_and_serves(tiny_home, tmp_path):
         finally:
             proc.stop()
     assert totals["bf16"] == 2 * totals["fp32"] > 0
+
+
+def test_idle_server_hands_kv_memory_back_and_says_what_the_pool_holds(tiny_home, tmp_path):
+    # 8 MB of fp32 KV for the tiny model: 16 KB a block (2 layers, K and V, 16 slots, 2 heads
+    # of 32), 512 blocks, 8,192 tokens; the need (64 sequences at 512 tokens) is larger.
+    proc = own_server(tiny_home, tmp_path, [MODEL, "--kv-cache-mb", "8", "--kv-cache-dtype",
+                                            "fp32", "--idle-release-seconds", "1",
+                                            "--idle-cache-mb", "0"])
+    try:
+        deadline = time.monotonic() + 30  # logged as the model is ready, maybe just after
+        while "KV cache: up to 8192 tokens (8 MB), resident only as used" not in \
+                proc.log.read_text():
+            assert time.monotonic() < deadline, proc.log.read_text()[-2000:]
+            time.sleep(0.05)
+        body = LONG | {"max_tokens": 5, "temperature": 0}
+        first = httpx.post(f"{proc.url}/v1/chat/completions", timeout=30, json=body).json()
+        deadline = time.monotonic() + 60
+        while proc.metrics()["localserve:kv_cache_resident_bytes"] > 0:  # released when idle
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        assert proc.metrics()["localserve:kv_cache_blocks_cached_free"] == 0
+        again = httpx.post(f"{proc.url}/v1/chat/completions", timeout=30, json=body).json()
+        assert again["choices"][0]["message"] == first["choices"][0]["message"]
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # nothing kept
+    finally:
+        proc.stop()
