@@ -36,11 +36,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefix-cache-mb", type=int, default=256,
                    help="prefix-cache memory kept beyond running requests before fresh memory "
                    "is preferred to it (default 256)")
-    p.add_argument("--idle-release-seconds", type=float, default=60.0,
+    p.add_argument("--idle-release-seconds", type=float, default=300.0,
                    help="after this long idle, hand KV memory back to the OS but "
-                   "--idle-cache-mb of cache (default 60; 0: never)")
-    p.add_argument("--idle-cache-mb", type=int, default=32,
-                   help="prefix cache an idle server keeps (default 32)")
+                   "--idle-cache-mb of cache (default 300; 0: never)")
+    p.add_argument("--idle-cache-mb", type=int, default=0,
+                   help="prefix cache an idle server keeps (default 0)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step")
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per step")
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's")
@@ -116,6 +116,9 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be 0..65535, got {args.port}")
     _log_to_stderr(args.log_level)
+    from server.engine.engine import limit_malloc_arenas
+
+    limit_malloc_arenas()
     keys = tuple(args.api_key or [k for k in os.environ.get("LOCALSERVE_API_KEY", "").split(",")
                                   if k])
     try:  # the settings check themselves; an error names its flag

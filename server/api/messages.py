@@ -10,6 +10,7 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def parse_messages(v: Any) -> list[dict[str, Any]]:
+    """`messages`: [{role, content}, plus an assistant's tool_calls or a tool's tool_call_id]."""
     if v is None:
         raise invalid("messages", "Missing required parameter: 'messages'.")
     if not isinstance(v, list):

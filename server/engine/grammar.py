@@ -116,14 +116,8 @@ def json_schema_grammar(schema: dict[str, Any]) -> str:
 
 
 def lark_grammar(lark: str) -> str:
+    """llguidance's grammar text for a Lark grammar (checked when compiled)."""
     return llguidance.LLMatcher.grammar_from_lark(lark)
-
-
-def check_grammar(grammar: str) -> None:
-    """Raise GrammarError naming what is wrong (an unsupported keyword, a bad type...)."""
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
-    if is_error:
-        raise GrammarError(_first_line(messages[0]))
 
 
 class GrammarMasks:
