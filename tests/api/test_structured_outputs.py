@@ -105,7 +105,7 @@ def test_sixteen_concurrent_schema_requests_at_temperature_one_all_validate(real
 
 def test_json_object_is_an_object(client):
     r = client.chat.completions.create(
-        model=MODEL, response_format={"type": "json_object"}, temperature=0, max_tokens=200,
+        model=MODEL, response_format={"type": "json_object"}, temperature=0, max_tokens=400,
         messages=[{"role": "user", "content": 'Return a JSON object with a key "capital" for '
                    "France."}])
     assert isinstance(json.loads(r.choices[0].message.content), dict)
