@@ -65,9 +65,9 @@ async def _start(state: ServerState, req: ChatRequest, salt: str, priority: int)
 def _grammar_text(req: ChatRequest) -> tuple[str | None, str]:
     """The grammar the answer follows (llguidance's text) and the field it comes from."""
     if req.tool_use is not None and req.tool_use.is_active:
-        return lark_grammar(tool_grammar(req.tool_use, req.output)), "tools"
-    if req.output is not None:
-        return schema_grammar(req.output.schema, "response_format"), "response_format"
+        return lark_grammar(tool_grammar(req.tool_use, req.output_schema)), "tools"
+    if req.output_schema is not None:
+        return schema_grammar(req.output_schema, "response_format"), "response_format"
     return None, ""
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from server.api.errors import invalid, unsupported
 from server.api.messages import parse_messages
-from server.api.structured import OutputFormat, parse_response_format
+from server.api.structured import parse_response_format
 from server.api.tools import ToolUse, parse_tools
 from server.engine.sequence import SamplingParams
 
@@ -121,7 +121,7 @@ class GenerateRequest:
 @dataclass(slots=True)
 class ChatRequest(GenerateRequest):
     messages: list[dict[str, Any]] = field(default_factory=list)
-    output: OutputFormat | None = None  # response_format beyond text
+    output_schema: dict[str, Any] | None = None  # response_format beyond text
     tool_use: ToolUse | None = None  # tools offered, and how they may be called
 
 
@@ -212,8 +212,8 @@ def parse_chat(body: dict[str, Any], vocab_size: int) -> ChatRequest:
     f.raw("metadata")  # only meaningful with store
     f.check_unknown()
     params = SamplingParams(logprobs=logprobs, top_logprobs=top or 0, **kw)
-    return ChatRequest(params=params, max_tokens=max_tokens, messages=messages, output=output,
-                       tool_use=tool_use, **other)
+    return ChatRequest(params=params, max_tokens=max_tokens, messages=messages,
+                       output_schema=output, tool_use=tool_use, **other)
 
 
 def parse_completion(body: dict[str, Any], vocab_size: int) -> CompletionRequest:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-from dataclasses import dataclass
 from typing import Any
 
 from server.api.errors import invalid, unsupported
@@ -21,17 +20,9 @@ NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for schema and func
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
 
-@dataclass(slots=True, frozen=True)
-class OutputFormat:
-    """What `response_format` asks for beyond text."""
-
-    kind: str  # "json_object" or "json_schema"
-    schema: dict[str, Any]  # the schema the answer follows ({"type": "object"} for json_object)
-    name: str = ""
-
-
-def parse_response_format(v: Any) -> OutputFormat | None:
-    """`response_format`: None for text, else the format (400 naming what is wrong)."""
+def parse_response_format(v: Any) -> dict[str, Any] | None:
+    """`response_format`: None for text, else the JSON schema the answer follows
+    ({"type": "object"} for json_object); a 400 naming what is wrong."""
     if v is None:
         return None
     if not isinstance(v, dict) or not isinstance(v.get("type"), str):
@@ -40,7 +31,7 @@ def parse_response_format(v: Any) -> OutputFormat | None:
     kind = v["type"]
     if kind in ("text", "json_object"):
         _only(v, ("type",), "response_format")
-        return None if kind == "text" else OutputFormat("json_object", ANY_OBJECT)
+        return None if kind == "text" else ANY_OBJECT
     if kind != "json_schema":
         raise invalid("response_format.type", f"Invalid value for 'response_format.type': "
                       f"{kind!r}. Supported values are: 'text', 'json_object' and "
@@ -65,7 +56,7 @@ def parse_response_format(v: Any) -> OutputFormat | None:
     if not isinstance(schema, dict):
         raise invalid(f"{where}.schema", f"Invalid type for '{where}.schema': expected a JSON "
                       "schema object.")
-    return OutputFormat("json_schema", schema, name)
+    return schema
 
 
 def schema_grammar(schema: dict[str, Any], param: str) -> str:

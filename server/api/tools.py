@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from server.api.errors import invalid, unsupported
-from server.api.structured import NAME, OutputFormat
+from server.api.structured import NAME
 from server.engine.grammar import JSON_OPTIONS
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -175,6 +175,7 @@ def _hermes_turns(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Assistant tool calls written as <tool_call> text, tool results as <tool_response>
     turns of the user (consecutive results in one turn), for templates without tools."""
     out: list[dict[str, Any]] = []
+    previous = None  # the role of the message before m
     for m in messages:
         if m["role"] == "assistant" and m.get("tool_calls"):
             calls = "\n".join(f"{CALL_OPEN}\n{call_json(c)}\n{CALL_CLOSE}"
@@ -183,13 +184,14 @@ def _hermes_turns(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             out.append({"role": "assistant", "content": text})
         elif m["role"] == "tool":
             block = f"<tool_response>\n{m['content']}\n</tool_response>"
-            if out and out[-1].get("is_tool_turn"):
+            if previous == "tool":
                 out[-1]["content"] += "\n" + block
             else:
-                out.append({"role": "user", "content": block, "is_tool_turn": True})
+                out.append({"role": "user", "content": block})
         else:
             out.append({"role": m["role"], "content": m["content"]})
-    return [{k: v for k, v in m.items() if k != "is_tool_turn"} for m in out]
+        previous = m["role"]
+    return out
 
 
 def call_json(call: dict[str, Any]) -> str:
@@ -209,8 +211,9 @@ def parsed_arguments(arguments: str) -> Any:
 
 # -- the grammar ---------------------------------------------------------------------------------
 
-def tool_grammar(use: ToolUse, output: OutputFormat | None) -> str | None:
-    """The Lark grammar the output follows, or None (no constraint)."""
+def tool_grammar(use: ToolUse, output_schema: dict[str, Any] | None) -> str | None:
+    """The Lark grammar the output follows, or None (no constraint); `output_schema`: the
+    response format's, which an "auto" answer that calls no tool follows."""
     if not use.is_active:
         return None
     tools = [t for t in use.tools if use.choice != "named" or t.name == use.name]
@@ -222,8 +225,8 @@ def tool_grammar(use: ToolUse, output: OutputFormat | None) -> str | None:
     if use.choice in ("required", "named"):
         one = f'"{CALL_OPEN}" {call}'
         lines.append(f'start: {one} ("\\n" {one})*' if use.parallel else f"start: {one}")
-    elif output is not None:  # auto with a response format: the JSON answer or calls
-        answer = json.dumps(output.schema | {"x-guidance": JSON_OPTIONS})
+    elif output_schema is not None:  # auto with a response format: the JSON answer or calls
+        answer = json.dumps(output_schema | {"x-guidance": JSON_OPTIONS})
         one = f'"{CALL_OPEN}" {call}'
         calls = f'{one} ("\\n" {one})*' if use.parallel else one
         lines += [f"answer: %json {answer}", f"start: answer | {calls}"]

@@ -41,9 +41,8 @@ class GrammarError(ValueError):
 class Grammar:
     """A compiled grammar; `start()` gives a new sequence its own state."""
 
-    def __init__(self, matcher: Any, key: str) -> None:
+    def __init__(self, matcher: Any) -> None:
         self._matcher = matcher  # never advanced: the state every sequence starts from
-        self.key = key
 
     def start(self) -> GrammarState:
         return GrammarState(self._matcher.deep_copy())
@@ -98,7 +97,7 @@ class GrammarCompiler:
         if matcher.is_error():
             raise GrammarError(_first_line(matcher.get_error()))
         _warm_up(matcher, self._source[1])  # ~2 ms: once per grammar, not per request
-        compiled = Grammar(matcher, key)
+        compiled = Grammar(matcher)
         with self._lock:
             self._cache[key] = compiled
             self.num_compiled += 1
