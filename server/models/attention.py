@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+import server.models.layer_ops as layer_ops
+
 QUERY_TILE = 64  # prompt positions per attention tile (tiles aligned to the sequence start)
 CONTEXT_TILE = 64  # context positions per tile of a generated token's attention
 
@@ -50,6 +52,7 @@ class AttentionGroup:
     flat_slots: torch.Tensor | None = None  # context_slots as [B * max_ctx] indices >= 0
     fp32: bool = False  # attend in fp32 (short-context decodes under a 16-bit compute dtype)
     first_tile: int = -1  # a prompt chunk's first tile (its position // QUERY_TILE); -1: decodes
+    lens: torch.Tensor | None = None  # decodes: [B] context length of each (int64)
 
 
 NULL_SLOT = -1  # the KV caches' extra last slot: zeros, read by padding, never written
@@ -102,7 +105,9 @@ def build_metadata(
     block_of_token = tables[seq_of_token, positions // block_size]
     slot_mapping = block_of_token * block_size + positions % block_size
 
-    low_precision = dtype in (torch.bfloat16, torch.float16)
+    # layer_ops.paged_decode attends in fp32 at every length: one decode group is enough.
+    low_precision = dtype in (torch.bfloat16, torch.float16) and not (
+        torch.device(device).type == "cpu" and layer_ops.enabled())
     decode: dict[bool, list[tuple[int, int, int]]] = {True: [], False: []}
     groups = []
     start_list, pos_list = starts.tolist(), (s_lens - q_lens).tolist()
@@ -152,6 +157,7 @@ def _decode_group(entries: list[tuple[int, int, int]], tables: torch.Tensor, blo
         dest=token.to(device),
         whole_step=False,
         fp32=fp32,
+        lens=s.to(device),
     )
 
 
@@ -230,11 +236,15 @@ def _gather(cache: torch.Tensor, g: AttentionGroup, dtype: torch.dtype) -> torch
 
 def _decodes(q, k_cache, v_cache, g: AttentionGroup, scale: float, num_kv_heads: int,
              group_size: int) -> torch.Tensor:
-    """One query per entry, over its context in tiles of CONTEXT_TILE."""
+    """One query per entry, over its context: in layer_ops.paged_decode, reading the cache in
+    place, or else in tiles of CONTEXT_TILE."""
+    qg = q if g.whole_step else q[g.token_index[:, 0]]
+    o = layer_ops.paged_decode(qg.contiguous(), k_cache, v_cache, g.context_slots, g.lens, scale)
+    if o is not None:
+        return o
     b, ctx = g.context_slots.shape
     head_dim, nc, hb = q.shape[-1], ctx // CONTEXT_TILE, num_kv_heads * b
     adt = torch.float32 if g.fp32 else q.dtype
-    qg = q if g.whole_step else q[g.token_index[:, 0]]
     # [B, Hkv, G, D] -> [Hkv, B, G, D], repeated for each context tile: [Hkv * B * nc, G, D]
     qg = (qg.view(b, num_kv_heads, group_size, head_dim).transpose(0, 1) * scale).to(adt)
     if nc > 1:

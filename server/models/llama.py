@@ -8,11 +8,13 @@ slots (see attention.py) and returns hidden states; logits are computed only whe
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+import server.models.layer_ops as layer_ops
 from server.models.attention import paged_attention
 from server.models.batch import ForwardBatch
 from server.models.config import ModelConfig
@@ -28,6 +30,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = layer_ops.rms_norm(x, self.weight, self.eps)
+        if y is not None:
+            return y
         # Normalize in fp32 and scale in the input dtype, as the reference implementation does.
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -51,6 +56,26 @@ def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return torch.where(is_medium, smoothed, scaled)
+
+
+@dataclass(slots=True)
+class Rotary:
+    """A step's rotary embedding: the model's fp32 cos/sin tables [max_pos, head_dim] and each
+    token's position. layer_ops reads the tables directly; the PyTorch path gathers them per
+    token once per step (`gathered`)."""
+
+    cos_table: torch.Tensor
+    sin_table: torch.Tensor
+    positions: torch.Tensor  # [T]
+    dtype: torch.dtype  # the compute dtype
+    _gathered: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def gathered(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) of each token, [T, 1, head_dim] in the compute dtype."""
+        if self._gathered is None:
+            self._gathered = tuple(t[self.positions].to(self.dtype)[:, None, :]
+                                   for t in (self.cos_table, self.sin_table))
+        return self._gathered
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -84,28 +109,40 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
-        cos: torch.Tensor,  # [T, 1, head_dim]
-        sin: torch.Tensor,  # [T, 1, head_dim]
+        rope: Rotary,
         k_cache: torch.Tensor,  # [Hkv, num_slots, head_dim]
         v_cache: torch.Tensor,  # [Hkv, num_slots, head_dim]
         batch: ForwardBatch,
     ) -> torch.Tensor:
-        t, rows, meta = x.shape[0], batch.rows, batch.attention
+        rows, meta = batch.rows, batch.attention
         if self.qkv_proj is not None:
-            nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            q, k, v = self.qkv_proj(x, rows).split([nq, nkv, nkv], dim=-1)
+            qkv = self.qkv_proj(x, rows)
+            q = None if hasattr(self, "q_norm") else layer_ops.rope_store(
+                qkv, self.num_heads, self.num_kv_heads, self.head_dim, rope.cos_table,
+                rope.sin_table, rope.positions, meta.slot_mapping, k_cache, v_cache)
+            if q is None:
+                nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+                q = self._rope_store(*qkv.split([nq, nkv, nkv], dim=-1), rope, k_cache,
+                                     v_cache, meta.slot_mapping)
         else:
-            q, k, v = self.q_proj(x, rows), self.k_proj(x, rows), self.v_proj(x, rows)
+            q = self._rope_store(self.q_proj(x, rows), self.k_proj(x, rows),
+                                 self.v_proj(x, rows), rope, k_cache, v_cache, meta.slot_mapping)
+        return self.o_proj(paged_attention(q, k_cache, v_cache, meta, self.scale), rows)
+
+    def _rope_store(self, q, k, v, rope: Rotary, k_cache, v_cache, slots) -> torch.Tensor:
+        """PyTorch's rotary embedding and cache write (what layer_ops.rope_store does)."""
+        t = q.shape[0]
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rope.gathered()
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
-        v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
-        return self.o_proj(paged_attention(q, k_cache, v_cache, meta, self.scale), rows)
+        k_cache.index_copy_(1, slots, k.transpose(0, 1).to(k_cache.dtype))
+        v_cache.index_copy_(1, slots, v.transpose(0, 1).to(v_cache.dtype))
+        return q
 
 
 class MLP(nn.Module):
@@ -139,8 +176,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, batch: ForwardBatch):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, batch)
+    def forward(self, x, rope: Rotary, k_cache, v_cache, batch: ForwardBatch):
+        x = x + self.self_attn(self.input_layernorm(x), rope, k_cache, v_cache, batch)
         return x + self.mlp(self.post_attention_layernorm(x), batch.rows)
 
 
@@ -180,11 +217,9 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states after the final norm: [T, hidden]."""
         x = self.model.embed_tokens(batch.input_ids)
         rope_cos, rope_sin = self._rope_tables(x.device)
-        positions = batch.attention.positions
-        cos = rope_cos[positions].to(x.dtype)[:, None, :]  # [T, 1, D]
-        sin = rope_sin[positions].to(x.dtype)[:, None, :]
+        rope = Rotary(rope_cos, rope_sin, batch.attention.positions, x.dtype)
         for layer, (k_cache, v_cache) in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, k_cache, v_cache, batch)
+            x = layer(x, rope, k_cache, v_cache, batch)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

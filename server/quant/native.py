@@ -1,9 +1,10 @@
 """C helpers compiled on first use with the machine's C compiler, called through ctypes.
 
-No torch headers and no build step at install: `int4_unpack.c` is one small file that `cc`
-compiles in a fraction of a second into $LOCALSERVE_HOME/cache/native (keyed by the source, the
-flags and the CPU, since it is built for this CPU). Without a compiler, or if the build fails,
-`int4_unpack()` is None and callers keep PyTorch's kernels: nothing depends on it for results.
+No torch headers and no build step at install: each helper (`int4_unpack.c` here,
+server/models/layer_ops.c) is one small file that `cc` compiles in a fraction of a second into
+$LOCALSERVE_HOME/cache/native (keyed by the source, the flags and the CPU, since it is built for
+this CPU). Without a compiler, or if the build fails, `int4_unpack()` and `library()` are None
+and callers keep PyTorch's own operators.
 LOCALSERVE_NO_NATIVE=1 turns it off.
 """
 
@@ -29,6 +30,7 @@ OPENMP = "-fopenmp"  # dropped if the compiler cannot: the helper then runs on o
 
 _lock = threading.Lock()
 _loaded: dict[str, Callable[..., int] | None] = {}
+_libraries: dict[Path, ctypes.CDLL | None] = {}
 
 
 def int4_unpack() -> Callable[..., int] | None:
@@ -40,13 +42,28 @@ def int4_unpack() -> Callable[..., int] | None:
         return _loaded["int4"]
 
 
-def _load() -> Callable[..., int] | None:
+def library(source: Path) -> ctypes.CDLL | None:
+    """The compiled `source` (one C file), built once per process; None without a compiler,
+    when the build fails or with LOCALSERVE_NO_NATIVE set."""
+    with _lock:
+        if source not in _libraries:
+            _libraries[source] = _open(source)
+        return _libraries[source]
+
+
+def _open(source: Path) -> ctypes.CDLL | None:
     if os.environ.get("LOCALSERVE_NO_NATIVE"):
         return None
     try:
-        lib = ctypes.CDLL(str(_build()))
+        return ctypes.CDLL(str(_build(source)))
     except (OSError, subprocess.SubprocessError) as e:
-        log.info("native int4 helper unavailable (%s); using PyTorch's kernels only", e)
+        log.info("native helper %s unavailable (%s); using PyTorch's kernels", source.name, e)
+        return None
+
+
+def _load() -> Callable[..., int] | None:
+    lib = _open(SOURCE)
+    if lib is None:
         return None
     fn = lib.int4pack_to_bf16_t
     fn.restype = ctypes.c_int
@@ -54,18 +71,18 @@ def _load() -> Callable[..., int] | None:
     return fn
 
 
-def _build() -> Path:
+def _build(source: Path) -> Path:
     from storage.models import home_dir
 
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise OSError("no C compiler (cc) on PATH")
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), cc.encode(), " ".join((*FLAGS, OPENMP)).encode(),
+    for part in (source.read_bytes(), cc.encode(), " ".join((*FLAGS, OPENMP)).encode(),
                  platform.machine().encode(), _cpu_flags().encode()):
         key.update(part)
     folder = home_dir() / "cache" / "native"
-    target = folder / f"int4_unpack-{key.hexdigest()[:16]}.so"
+    target = folder / f"{source.stem}-{key.hexdigest()[:16]}.so"
     if target.is_file():
         return target
     folder.mkdir(parents=True, exist_ok=True)
@@ -73,10 +90,10 @@ def _build() -> Path:
     os.close(fd)
     try:
         try:
-            subprocess.run([cc, *FLAGS, OPENMP, "-o", tmp, str(SOURCE)], check=True,
+            subprocess.run([cc, *FLAGS, OPENMP, "-o", tmp, str(source), "-lm"], check=True,
                            capture_output=True, timeout=120)
         except subprocess.CalledProcessError:
-            subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE)], check=True,
+            subprocess.run([cc, *FLAGS, "-o", tmp, str(source), "-lm"], check=True,
                            capture_output=True, timeout=120)
         os.replace(tmp, target)  # atomic: a concurrent build just replaces it with the same
     except subprocess.CalledProcessError as e:

@@ -1,0 +1,274 @@
+/* The small per-layer operations of a decoder step, each in one pass (layer_ops.py calls them).
+ *
+ * In PyTorch each of these is 6-25 operator calls of a few microseconds each at decode sizes:
+ * at one sequence they were most of a 135M model's step. Every function computes a row (a
+ * token, or a query head) with a fixed sequence of instructions that depends on that row's own
+ * sizes only, never on how many rows share the call, so results are batch invariant.
+ *
+ * Values are fp32 or bf16 (flag `*_bf16`); arithmetic is fp32, bf16 results are rounded to
+ * nearest even. Built with -ffp-contract=off: no fused multiply-adds, the same results wherever
+ * the compiler vectorizes. Sums over a vector run in 16 interleaved lanes added pairwise.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf16_to_float(uint16_t v) {
+    uint32_t u = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* n values from src (fp32 or bf16) into fp32 dst. */
+static inline void load_row(float *dst, const void *src, int64_t n, int bf16) {
+    if (bf16) {
+        const uint16_t *s = (const uint16_t *)src;
+        for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_float(s[i]);
+    } else {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+    }
+}
+
+static inline void store_row(void *dst, const float *src, int64_t n, int bf16) {
+    if (bf16) {
+        uint16_t *d = (uint16_t *)dst;
+        for (int64_t i = 0; i < n; i++) d[i] = float_to_bf16(src[i]);
+    } else {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+    }
+}
+
+#define LANES 16
+
+static inline float lane_sum(float acc[LANES]) {
+    for (int w = LANES / 2; w > 0; w /= 2)
+        for (int l = 0; l < w; l++) acc[l] = acc[l] + acc[l + w];
+    return acc[0];
+}
+
+/* sum a[i] * b[i], in LANES lanes then pairwise; the tail (n % LANES) added last in order. */
+static inline float dot(const float *a, const float *b, int64_t n) {
+    float acc[LANES] = {0};
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int l = 0; l < LANES; l++) acc[l] = acc[l] + a[i + l] * b[i + l];
+    float s = lane_sum(acc);
+    for (; i < n; i++) s = s + a[i] * b[i];
+    return s;
+}
+
+#define MAX_DIM 1024  /* the widest head these take */
+#define MAX_HIDDEN 16384  /* the widest row rms_norm takes */
+
+/* e^x for x <= 0 (Cephes' expf: x = n ln2 + r, a degree-6 polynomial in r, 2^n by its exponent
+ * bits; within 2 ulp), pure arithmetic so that loops over it vectorize. n = round(x / ln2) by
+ * adding and subtracting 1.5 * 2^23 (exact for |x / ln2| < 2^22). */
+static inline float exp_neg(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    float r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    float y = p * r * r + r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return y * scale;
+}
+
+/* RMSNorm of t rows of h values: y = weight * round(x / rms(x)) as the reference implementation
+ * computes it (normalize in fp32, round to the input dtype, scale in the input dtype). */
+int rms_norm(const void *x, const void *weight, void *out, int64_t t, int64_t h, double eps,
+             int bf16) {
+    if (h > MAX_HIDDEN) return 1;
+    #pragma omp parallel for schedule(static) if (t >= 8)
+    for (int64_t r = 0; r < t; r++) {
+        float row[MAX_HIDDEN], w[MAX_HIDDEN];
+        size_t es = bf16 ? 2 : 4;
+        load_row(row, (const char *)x + r * h * es, h, bf16);
+        load_row(w, weight, h, bf16);
+        float ss = dot(row, row, h);
+        float inv = 1.0f / sqrtf(ss / (float)h + (float)eps);
+        for (int64_t i = 0; i < h; i++) {
+            float v = row[i] * inv;
+            if (bf16) v = bf16_to_float(float_to_bf16(v));
+            row[i] = w[i] * v;
+        }
+        store_row((char *)out + r * h * es, row, h, bf16);
+    }
+    return 0;
+}
+
+/* Rotary embedding and cache write for t tokens of a fused q|k|v projection.
+ * qkv: [t, row_stride] (q heads first, then k, then v, each head d wide), dtype `bf16`;
+ * cos/sin: fp32 [max_pos, d] tables; q_out: [t, hq, d] roped queries, dtype `bf16`;
+ * k_cache/v_cache: [hkv, num_slots, d], dtype `cache_bf16`; token i's k (roped) and v go to
+ * slot slots[i]. Rotation as rotate_half: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s). */
+int rope_store(const void *qkv, int64_t t, int64_t row_stride, int64_t hq, int64_t hkv,
+               int64_t d, const float *cos_t, const float *sin_t, const int64_t *positions,
+               const int64_t *slots, void *q_out, void *k_cache, void *v_cache,
+               int64_t num_slots, int bf16, int cache_bf16) {
+    if (d % 2 || d > MAX_DIM) return 1;
+    size_t es = bf16 ? 2 : 4, ces = cache_bf16 ? 2 : 4;
+    int64_t half = d / 2, heads = hq + 2 * hkv;
+    #pragma omp parallel for schedule(static) if (t * heads >= 256)
+    for (int64_t job = 0; job < t * heads; job++) {
+        int64_t i = job / heads, h = job % heads;
+        float x[MAX_DIM], y[MAX_DIM];
+        const float *c = cos_t + positions[i] * d, *s = sin_t + positions[i] * d;
+        load_row(x, (const char *)qkv + (i * row_stride + h * d) * es, d, bf16);
+        if (h < hq + hkv) {
+            for (int64_t j = 0; j < half; j++) {
+                y[j] = x[j] * c[j] - x[j + half] * s[j];
+                y[j + half] = x[j + half] * c[j + half] + x[j] * s[j + half];
+            }
+        } else {
+            memcpy(y, x, (size_t)d * sizeof(float));
+        }
+        if (h < hq) {
+            store_row((char *)q_out + (i * hq + h) * d * es, y, d, bf16);
+        } else {
+            int64_t kh = h < hq + hkv ? h - hq : h - hq - hkv;
+            char *cache = (char *)(h < hq + hkv ? k_cache : v_cache);
+            store_row(cache + (kh * num_slots + slots[i]) * d * ces, y, d, cache_bf16);
+        }
+    }
+    return 0;
+}
+
+/* 16 floats in one vector (GCC's vector extensions: AVX-512, two AVX2 registers or four SSE,
+ * the same arithmetic in each lane whichever). */
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+static inline f32x16 load16(const char *p, int bf16) {
+    f32x16 f;
+    if (bf16) {
+        u16x16 h;
+        memcpy(&h, p, sizeof h);
+        u32x16 w = __builtin_convertvector(h, u32x16) << 16;
+        memcpy(&f, &w, sizeof f);
+    } else {
+        memcpy(&f, p, sizeof f);
+    }
+    return f;
+}
+
+/* The 16 lanes summed pairwise: (0..7) + (8..15), then halves again. */
+static inline float hsum16(f32x16 v) {
+    f32x8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7)
+            + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    float b[8];
+    memcpy(b, &a, sizeof b);
+    float c0 = b[0] + b[4], c1 = b[1] + b[5], c2 = b[2] + b[6], c3 = b[3] + b[7];
+    return (c0 + c2) + (c1 + c3);
+}
+
+#define MAX_GROUP 16  /* query heads per kv head */
+
+/* One sequence's kv head: its `group` query heads over n context positions. */
+static inline void decode_head(const char *q, int64_t group, const char *kbase,
+                               const char *vbase, const int64_t *sl, int64_t n, int64_t d,
+                               float scale, float *score, int64_t max_ctx, char *out,
+                               int bf16, int cache_bf16) {
+    size_t es = bf16 ? 2 : 4, ces = cache_bf16 ? 2 : 4;
+    int64_t chunks = d / 16;
+    f32x16 qv[MAX_GROUP][MAX_DIM / 16];
+    for (int64_t g = 0; g < group; g++)
+        for (int64_t c = 0; c < chunks; c++)
+            qv[g][c] = load16(q + (g * d + c * 16) * es, bf16) * scale;
+    for (int64_t p = 0; p < n; p++) {
+        const char *k = kbase + sl[p] * d * ces;
+        f32x16 kv[MAX_DIM / 16];
+        for (int64_t c = 0; c < chunks; c++) kv[c] = load16(k + c * 16 * ces, cache_bf16);
+        for (int64_t g = 0; g < group; g++) {
+            f32x16 acc = qv[g][0] * kv[0];
+            for (int64_t c = 1; c < chunks; c++) acc = acc + qv[g][c] * kv[c];
+            score[g * max_ctx + p] = hsum16(acc);
+        }
+    }
+    float denom[MAX_GROUP];
+    for (int64_t g = 0; g < group; g++) {
+        float *sc = score + g * max_ctx, peak = -INFINITY;
+        for (int64_t p = 0; p < n; p++) peak = sc[p] > peak ? sc[p] : peak;
+        for (int64_t p = 0; p < n; p++) sc[p] = exp_neg(sc[p] - peak);
+        float lanes[LANES] = {0};
+        int64_t p = 0;
+        for (; p + LANES <= n; p += LANES)
+            for (int l = 0; l < LANES; l++) lanes[l] = lanes[l] + sc[p + l];
+        denom[g] = lane_sum(lanes);
+        for (; p < n; p++) denom[g] = denom[g] + sc[p];
+    }
+    f32x16 acc[MAX_GROUP][MAX_DIM / 16];
+    memset(acc, 0, sizeof(f32x16) * MAX_DIM / 16 * (size_t)group);
+    for (int64_t p = 0; p < n; p++) {
+        const char *v = vbase + sl[p] * d * ces;
+        f32x16 vv[MAX_DIM / 16];
+        for (int64_t c = 0; c < chunks; c++) vv[c] = load16(v + c * 16 * ces, cache_bf16);
+        for (int64_t g = 0; g < group; g++) {
+            float w = score[g * max_ctx + p];
+            for (int64_t c = 0; c < chunks; c++) acc[g][c] = acc[g][c] + w * vv[c];
+        }
+    }
+    for (int64_t g = 0; g < group; g++) {
+        float row[MAX_DIM];
+        for (int64_t c = 0; c < chunks; c++) {
+            f32x16 o = acc[g][c] / denom[g];
+            memcpy(row + c * 16, &o, sizeof o);
+        }
+        store_row(out + g * d * es, row, d, bf16);
+    }
+}
+
+/* One generated token per entry b, attending over its own context in the paged cache.
+ * q: [b, hq, d] (dtype `bf16`), scaled by `scale` here; caches [hkv, num_slots, d]
+ * (`cache_bf16`); ctx_slots: [b, max_ctx] cache slot of each context position, lens[b]
+ * positions real; out: [b, hq * d] (`bf16`); scratch: fp32 [b * hq * max_ctx]. Scores, softmax
+ * and the weighted sum are fp32, each query head over its own positions in order. */
+int paged_decode(const void *q, const void *k_cache, const void *v_cache,
+                 const int64_t *ctx_slots, const int64_t *lens, void *out, float *scratch,
+                 int64_t b, int64_t hq, int64_t hkv, int64_t d, int64_t max_ctx,
+                 int64_t num_slots, double scale, int bf16, int cache_bf16) {
+    if (d > MAX_DIM || d % 16 || hq % hkv || hq / hkv > MAX_GROUP) return 1;
+    for (int64_t e = 0; e < b; e++)
+        if (lens[e] < 1 || lens[e] > max_ctx) return 1;
+    size_t es = bf16 ? 2 : 4, ces = cache_bf16 ? 2 : 4;
+    int64_t group = hq / hkv, work = 0;
+    for (int64_t e = 0; e < b; e++) work += lens[e];
+    #pragma omp parallel for schedule(dynamic, 1) if (work * hq * d >= (1 << 15))
+    for (int64_t job = 0; job < b * hkv; job++) {
+        int64_t e = job / hkv, kh = job % hkv;
+        const char *qe = (const char *)q + (e * hq + kh * group) * d * es;
+        const char *kbase = (const char *)k_cache + kh * num_slots * d * ces;
+        const char *vbase = (const char *)v_cache + kh * num_slots * d * ces;
+        char *oe = (char *)out + (e * hq + kh * group) * d * es;
+        float *sc = scratch + job * group * max_ctx;
+        const int64_t *sl = ctx_slots + e * max_ctx;
+        /* Literal flags, so each of the four cases compiles to its own loops. */
+        if (bf16 && cache_bf16)
+            decode_head(qe, group, kbase, vbase, sl, lens[e], d, (float)scale, sc, max_ctx, oe, 1, 1);
+        else if (bf16)
+            decode_head(qe, group, kbase, vbase, sl, lens[e], d, (float)scale, sc, max_ctx, oe, 1, 0);
+        else if (cache_bf16)
+            decode_head(qe, group, kbase, vbase, sl, lens[e], d, (float)scale, sc, max_ctx, oe, 0, 1);
+        else
+            decode_head(qe, group, kbase, vbase, sl, lens[e], d, (float)scale, sc, max_ctx, oe, 0, 0);
+    }
+    return 0;
+}

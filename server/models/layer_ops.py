@@ -1,0 +1,198 @@
+"""The decoder's small per-layer operations in C (layer_ops.c), for CPU tensors.
+
+At decode sizes a PyTorch operator costs a few microseconds whatever it computes, and a layer
+ran ~80 of them (RMSNorm 6, rotary embedding 14, the cache writes 4, decode attention ~25):
+most of a 135M model's step at one sequence. layer_ops.c does RMSNorm, the rotary embedding with
+the cache write, and decode attention reading the paged pool in place, one call each.
+
+The library is compiled on first use (server/quant/native.py) and used only after it passed
+`_self_check` on this machine: each function against the PyTorch reference within rounding, and
+a batch of rows bit for bit against the same rows computed one at a time (batch invariance).
+Otherwise, without a compiler, with LOCALSERVE_NO_NATIVE=1 or for tensors it does not take
+(not on the CPU, another dtype, a head wider than 1024), each function returns None and the
+caller runs its PyTorch code.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from pathlib import Path
+
+import torch
+
+from server.quant import native
+
+log = logging.getLogger("localserve")
+
+SOURCE = Path(__file__).with_name("layer_ops.c")
+MAX_DIM, MAX_HIDDEN = 1024, 16384  # as in layer_ops.c
+_DTYPES = (torch.float32, torch.bfloat16)
+_P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
+_SIGNATURES = {
+    "rms_norm": [_P, _P, _P, _I, _I, _D, ctypes.c_int],
+    "rope_store": [_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I, ctypes.c_int,
+                   ctypes.c_int],
+    "paged_decode": [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _D, ctypes.c_int,
+                     ctypes.c_int],
+}
+
+_lock = threading.Lock()
+_state: list = []  # [the checked library or None], once per process
+
+
+def _lib():
+    if not _state:
+        with _lock:
+            if not _state:
+                _state.append(_open_checked())
+    return _state[0]
+
+
+def enabled() -> bool:
+    return _lib() is not None
+
+
+def _open_checked():
+    lib = native.library(SOURCE)
+    if lib is None:
+        return None
+    for name, argtypes in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = ctypes.c_int, argtypes
+    _state.append(lib)  # the checks call the functions through _lib()
+    try:
+        problem = _self_check()
+    finally:
+        _state.clear()
+    if problem:
+        log.warning("layer_ops.c failed its check on this machine (%s); using PyTorch", problem)
+        return None
+    return lib
+
+
+def _fits(*tensors: torch.Tensor) -> bool:
+    """On the CPU, contiguous, and fp32 or bf16 where floating point."""
+    return all(t.device.type == "cpu" and t.is_contiguous()
+               and (t.dtype in _DTYPES or not t.is_floating_point()) for t in tensors)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """weight * round(x / rms(x)) over the last dim, as RMSNorm computes it; None: not here."""
+    lib = _lib()
+    h = x.shape[-1]
+    if lib is None or weight.dtype != x.dtype or h > MAX_HIDDEN or not _fits(x, weight):
+        return None
+    out = torch.empty_like(x)
+    if lib.rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // h, h, eps,
+                    x.dtype == torch.bfloat16):
+        return None
+    return out
+
+
+def rope_store(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+               cos_table: torch.Tensor, sin_table: torch.Tensor, positions: torch.Tensor,
+               slots: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor) -> torch.Tensor | None:
+    """From a fused q|k|v projection [T, (Hq + 2 Hkv) * D]: the rotated queries [T, Hq, D],
+    the rotated keys and the values written to the caches at `slots`. None: not here (nothing
+    written)."""
+    lib = _lib()
+    t = qkv.shape[0]
+    if (lib is None or head_dim > MAX_DIM or head_dim % 2 or k_cache.dtype != v_cache.dtype
+            or cos_table.dtype != torch.float32 or positions.dtype != torch.int64
+            or slots.dtype != torch.int64 or qkv.stride(-1) != 1
+            or not _fits(cos_table, sin_table, positions, slots, k_cache, v_cache)
+            or qkv.device.type != "cpu" or qkv.dtype not in _DTYPES):
+        return None
+    q = qkv.new_empty(t, num_heads, head_dim)
+    if lib.rope_store(qkv.data_ptr(), t, qkv.stride(0), num_heads, num_kv_heads, head_dim,
+                      cos_table.data_ptr(), sin_table.data_ptr(), positions.data_ptr(),
+                      slots.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                      k_cache.shape[1], qkv.dtype == torch.bfloat16,
+                      k_cache.dtype == torch.bfloat16):
+        return None
+    return q
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 context_slots: torch.Tensor, lens: torch.Tensor,
+                 scale: float) -> torch.Tensor | None:
+    """q [B, Hq, D], one generated token per row, each attending to its first lens[b] positions
+    of context_slots [B, max_ctx] in the paged caches -> [B, Hq * D]. None: not here."""
+    lib = _lib()
+    b, hq, d = q.shape
+    if (lib is None or d > MAX_DIM or k_cache.dtype != v_cache.dtype
+            or context_slots.dtype != torch.int64 or lens.dtype != torch.int64
+            or not _fits(q, k_cache, v_cache, context_slots, lens)):
+        return None
+    max_ctx = context_slots.shape[1]
+    out = q.new_empty(b, hq * d)
+    scratch = torch.empty(b * hq * max_ctx, dtype=torch.float32)
+    if lib.paged_decode(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                        context_slots.data_ptr(), lens.data_ptr(), out.data_ptr(),
+                        scratch.data_ptr(), b, hq, k_cache.shape[0], d, max_ctx,
+                        k_cache.shape[1], scale, q.dtype == torch.bfloat16,
+                        k_cache.dtype == torch.bfloat16):
+        return None
+    return out
+
+
+def _self_check() -> str | None:
+    """None if every function matches PyTorch within rounding and gives each row the same bits
+    alone and batched; else what failed."""
+    g = torch.Generator().manual_seed(0)
+    for dtype in _DTYPES:
+        tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+        x = torch.randn(9, 576, generator=g).to(dtype)
+        w = (torch.rand(576, generator=g) + 0.5).to(dtype)
+        got = rms_norm(x, w, 1e-5)
+        h = x.float()
+        want = w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+        if got is None or not torch.allclose(got.float(), want.float(), rtol=tol, atol=tol):
+            return f"rms_norm {dtype}"
+        if not torch.equal(got[3:4], rms_norm(x[3:4].contiguous(), w, 1e-5)):
+            return f"rms_norm rows {dtype}"
+        problem = _check_attention(dtype, tol, g)
+        if problem:
+            return problem
+    return None
+
+
+def _check_attention(dtype: torch.dtype, tol: float, g: torch.Generator) -> str | None:
+    hq, hkv, d, slots, t = 6, 2, 64, 97, 5
+    positions = torch.tensor([3, 0, 40, 7, 95])
+    where = torch.randperm(slots - 1, generator=g)[:t]
+    angles = torch.outer(torch.arange(128.0), torch.rand(d // 2, generator=g))
+    angles = torch.cat((angles, angles), dim=-1)
+    cos, sin = angles.cos(), angles.sin()
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g).to(dtype)
+    caches = [torch.randn(hkv, slots, d, generator=g).to(dtype) for _ in range(2)]
+    before = [c.clone() for c in caches]
+    q = rope_store(qkv, hq, hkv, d, cos, sin, positions, where, *caches)
+    x = qkv.float().view(t, hq + 2 * hkv, d)
+    c, s = cos[positions][:, None], sin[positions][:, None]
+    rotated = x * c + torch.cat((-x[..., d // 2:], x[..., :d // 2]), dim=-1) * s
+    before[0][:, where] = rotated[:, hq:hq + hkv].transpose(0, 1).to(dtype)
+    before[1][:, where] = x[:, hq + hkv:].transpose(0, 1).to(dtype)
+    if (q is None or not torch.allclose(q.float(), rotated[:, :hq], rtol=tol, atol=tol)
+            or not all(torch.allclose(a.float(), b.float(), rtol=tol, atol=tol)
+                       for a, b in zip(caches, before, strict=True))):
+        return f"rope_store {dtype}"
+    lens = torch.tensor([1, 50, 96, 17])
+    ctx = torch.stack([torch.randperm(slots - 1, generator=g) for _ in lens])
+    qd = torch.randn(len(lens), hq, d, generator=g).to(dtype)
+    got = paged_decode(qd, *caches, ctx, lens, d**-0.5)
+    if got is None:
+        return f"paged_decode {dtype}"
+    for i, n in enumerate(lens.tolist()):
+        k, v = (c[:, ctx[i, :n]].float().repeat_interleave(hq // hkv, 0) for c in caches)
+        p = torch.softmax(qd[i].float()[:, None] @ k.transpose(1, 2) * d**-0.5, dim=-1)
+        want = (p @ v).reshape(-1)
+        alone = paged_decode(qd[i:i + 1].contiguous(), *caches, ctx[i:i + 1].contiguous(),
+                             lens[i:i + 1].contiguous(), d**-0.5)
+        if (not torch.allclose(got[i].float(), want, rtol=tol, atol=tol)
+                or alone is None or not torch.equal(alone[0], got[i])):
+            return f"paged_decode {dtype} row {i}"
+    return None

@@ -1,0 +1,141 @@
+"""layer_ops.c (RMSNorm, rotary embedding + cache write, paged decode attention) against the
+PyTorch code it replaces, and batch invariance: a row gives the same bits alone or batched."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import server.models.layer_ops as layer_ops
+from server.models import attention
+from server.models.attention import build_metadata
+from server.models.simple import greedy_generate, prompt_logits
+from tests.helpers import hf_model
+from tests.models.test_forward import CPU, ours_from_hf, prompt
+
+DTYPES = [torch.float32, torch.bfloat16]
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+
+@pytest.fixture
+def pytorch_only(monkeypatch):
+    """layer_ops unavailable (what a machine without a C compiler gets)."""
+    monkeypatch.setattr(layer_ops, "_state", [None])
+
+
+def test_built_and_checked_here():
+    # The project's machines and CI have a C compiler; without one everything falls back
+    # (test_model_without_layer_ops_matches_transformers).
+    assert layer_ops.enabled()
+
+
+def paged_caches(num_kv_heads, head_dim, dtype, slots=600, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(num_kv_heads, slots + 1, head_dim, generator=g).to(dtype)
+            for _ in range(2)]
+
+
+BLOCK = 16
+
+
+def block_tables(lens, seed=0):
+    """Each sequence's scattered blocks (of 36 in the caches)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randperm(36, generator=g)[: -(-n // BLOCK)].tolist() for n in lens]
+
+
+def decode_group(lens, tables):
+    """The decode group of these sequences, as the engine builds it."""
+    meta = build_metadata([1] * len(lens), lens, tables, BLOCK, CPU, torch.bfloat16)
+    assert len(meta.groups) == 1
+    return meta.groups[0]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", [(9, 3), (4, 4), (8, 1)])
+def test_paged_decode_matches_pytorch_and_is_batch_invariant(dtype, heads, monkeypatch):
+    hq, hkv = heads
+    lens = [1, 63, 64, 65, 300, 17]
+    q = torch.randn(len(lens), hq, 64, generator=torch.Generator().manual_seed(1)).to(dtype)
+    k, v = paged_caches(hkv, 64, dtype)
+    tables = block_tables(lens)
+    g = decode_group(lens, tables)
+    got = layer_ops.paged_decode(q, k, v, g.context_slots, g.lens, 0.125)
+    assert got is not None and got.dtype == dtype and got.shape == (len(lens), hq * 64)
+    for i, n in enumerate(lens):
+        one = decode_group([n], tables[i:i + 1])
+        alone = layer_ops.paged_decode(q[i:i + 1].contiguous(), k, v, one.context_slots,
+                                       one.lens, 0.125)
+        assert torch.equal(alone[0], got[i])  # the batch and its padding change nothing
+    monkeypatch.setattr(layer_ops, "_state", [None])
+    g.fp32 = True
+    want = attention._decodes(q, k, v, g, 0.125, hkv, hq // hkv)
+    torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_matches_the_reference_and_rows_are_independent(dtype):
+    from server.models.llama import RMSNorm
+
+    norm = RMSNorm(576, 1e-5).to(dtype)
+    norm.weight.data.uniform_(0.5, 1.5)
+    x = torch.randn(37, 576).to(dtype)
+    got = norm(x)
+    h = x.float()
+    want = norm.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+    torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    assert all(torch.equal(got[i], norm(x[i:i + 1])[0]) for i in range(37))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_store_matches_pytorch(dtype, monkeypatch):
+    """The fused path and the PyTorch path of the same Attention module: same queries, same
+    cache contents."""
+    from server.models.llama import Rotary
+
+    model = ours_from_hf(hf_model("llama"), dtype=dtype)
+    attn = model.model.layers[0].self_attn
+    assert attn.qkv_proj is not None
+    hq, hkv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    t = 11
+    qkv = torch.randn(t, (hq + 2 * hkv) * d).to(dtype)
+    cos, sin = model._rope_tables(CPU)
+    positions = torch.tensor([0, 5, 9, 100, 3, 7, 8, 1, 2, 60, 61])
+    slots = torch.randperm(40)[:t]
+    fused_caches = paged_caches(hkv, d, dtype, slots=40)
+    torch_caches = [c.clone() for c in fused_caches]
+    q = layer_ops.rope_store(qkv, hq, hkv, d, cos, sin, positions, slots, *fused_caches)
+    nq, nkv = hq * d, hkv * d
+    want = attn._rope_store(*qkv.split([nq, nkv, nkv], dim=-1), Rotary(cos, sin, positions, dtype),
+                            *torch_caches, slots)
+    torch.testing.assert_close(q.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    for a, b in zip(fused_caches, torch_caches, strict=True):
+        torch.testing.assert_close(a.float(), b.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_model_with_and_without_layer_ops_agree(monkeypatch):
+    """fp32, a tiny random Llama: prompt logits within 1e-5 and the same greedy tokens."""
+    ours = ours_from_hf(hf_model("llama", seed=3))
+    ids = prompt(40)
+    fused_logits, fused_tokens = prompt_logits(ours, ids), greedy_generate(ours, ids, 24)
+    monkeypatch.setattr(layer_ops, "_state", [None])
+    torch.testing.assert_close(fused_logits, prompt_logits(ours, ids), atol=1e-5, rtol=1e-5)
+    assert fused_tokens == greedy_generate(ours, ids, 24)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_model_without_layer_ops_matches_transformers(arch, pytorch_only):
+    hf = hf_model(arch)
+    assert layer_ops.rms_norm(torch.ones(1, 8), torch.ones(8), 1e-5) is None
+    ids = prompt(37)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(prompt_logits(ours_from_hf(hf), ids), ref, atol=2e-5, rtol=1e-4)
+
+
+def test_no_compiler_means_pytorch(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOCALSERVE_HOME", str(tmp_path))
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    from server.quant import native
+
+    assert native._open(layer_ops.SOURCE) is None
