@@ -13,6 +13,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import server.quant.native as native
+from server.quant import int4_gemm
 from server.quant.rows import PACKED_TILE, RowSplit, kernel_rows_independent, rows_mm, tiled_rows
 
 SUPPORTED_GROUP_SIZES = (32, 64, 128, 256)  # what the tinygemm kernels accept
@@ -80,6 +81,8 @@ class Int4Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.kernel_weight: torch.Tensor | None = None  # tinygemm layout, when a kernel applies
         self.scales_and_zeros: torch.Tensor | None = None  # [K/g, N, 2] in KERNEL_DTYPE
+        # Or, on a CPU that int4_gemm.c serves: the weight in its layout.
+        self.q4x32: torch.Tensor | None = None
         self.tiled = False  # the CPU kernel's rows depend on each other here: call it in tiles
 
     def prepare(self, use_kernel: bool = True) -> None:
@@ -91,13 +94,18 @@ class Int4Linear(nn.Module):
         Without a kernel (`use_kernel=False`, for exactness tests) the module dequantizes in
         fp32: the reference path.
         """
-        if self.kernel_weight is not None:
+        if self.kernel_weight is not None or self.q4x32 is not None:
             return  # already converted (the source buffers are gone)
         device = self.weight.device
         if not use_kernel or device.type not in ("cpu", "cuda"):
             self.kernel_weight = self.scales_and_zeros = None
             return
         q = unpack_int4(self.weight)
+        if device.type == "cpu" and int4_gemm.takes(self.out_features, self.in_features,
+                                                    self.group_size):
+            self.q4x32 = int4_gemm.pack(q, self.weight_scale, self.weight_zero, self.group_size)
+            self.weight = self.weight_scale = self.weight_zero = None
+            return
         if device.type == "cpu":
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 2)
             checked_unpack()  # build the helper while loading, not in the first request
@@ -116,7 +124,7 @@ class Int4Linear(nn.Module):
         self.weight = self.weight_scale = self.weight_zero = None
 
     def forward(self, x: torch.Tensor, rows: RowSplit | None = None) -> torch.Tensor:
-        if self.kernel_weight is not None:
+        if self.kernel_weight is not None or self.q4x32 is not None:
             x2 = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)
             if x.device.type == "cpu":
                 y = self._cpu_mm(x2, rows)
@@ -137,6 +145,11 @@ class Int4Linear(nn.Module):
         return self._kernel(x2)
 
     def _kernel(self, x2: torch.Tensor) -> torch.Tensor:
+        if self.q4x32 is not None:
+            y = int4_gemm.gemm(x2, self.q4x32, self.group_size)
+            if y is not None:
+                return y
+            raise RuntimeError("int4_gemm.c declined a layer it was built for")
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             x2, self.kernel_weight, self.group_size, self.scales_and_zeros)
 
@@ -150,8 +163,10 @@ class Int4Linear(nn.Module):
 
     def unpacked_numel(self) -> int:
         """How many bf16 values unpack_into writes (rows.py); 0 when it cannot."""
-        can = self.kernel_weight is not None and self.kernel_weight.device.type == "cpu"
-        return self.out_features * self.in_features if can and self._unpacker() else 0
+        can = self.q4x32 is not None or (self.kernel_weight is not None and
+                                         self.kernel_weight.device.type == "cpu"
+                                         and self._unpacker())
+        return self.out_features * self.in_features if can else 0
 
     def _unpacker(self):
         """The checked helper if it takes this layer's shape, else None."""
@@ -167,12 +182,14 @@ class Int4Linear(nn.Module):
     def unpacked_t(self, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """The CPU kernel's weight as bf16 [in, out] in `out` (default: a new tensor); None
         without the compiled helper or for shapes it does not take."""
-        unpack = self._unpacker()
         n, k = self.out_features, self.in_features
-        if unpack is None:
-            return None
         if out is None:
             out = torch.empty(k, n, dtype=KERNEL_DTYPE)
+        if self.q4x32 is not None:
+            return int4_gemm.unpack_t(self.q4x32, self.group_size, out)
+        unpack = self._unpacker()
+        if unpack is None:
+            return None
         if unpack(self.kernel_weight.data_ptr(), self.scales_and_zeros.data_ptr(),
                   out.data_ptr(), n, k, self.group_size, 0, k):
             return None

@@ -109,11 +109,25 @@ def test_int4_kernel_matches_reference(rows):
     assert (got - ref).abs().max() < 0.02 * ref.abs().max()
 
 
+@pytest.fixture(params=["q4x32", "tinygemm"])
+def int4_layout(request, monkeypatch):
+    """Each CPU int4 layout: int4_gemm.c's (where the machine has AVX-512 BF16) and PyTorch's
+    tinygemm pack (everywhere else)."""
+    from server.quant import int4_gemm
+
+    if request.param == "tinygemm":
+        monkeypatch.setattr(int4_gemm, "_state", [None])
+    elif int4_gemm.checked() is None:
+        pytest.skip("int4_gemm.c needs AVX-512 BF16")
+    return request.param
+
+
 @pytest.mark.parametrize("rows", [64, 200])
-def test_int4_rows_past_the_threshold_run_unpacked_bf16_gemm(rows, tmp_path, monkeypatch):
-    """From UNPACK_MIN_ROWS rows the CPU layer unpacks PyTorch's int4 pack to bf16 with the
-    compiled helper and multiplies in bf16: the same numbers as a bf16 GEMM on the reference
-    dequantization (bf16 scales), close to the packed kernel's."""
+def test_int4_rows_past_the_threshold_run_unpacked_bf16_gemm(rows, int4_layout, tmp_path,
+                                                             monkeypatch):
+    """From UNPACK_MIN_ROWS rows the CPU layer unpacks its int4 layout to bf16 with a compiled
+    helper and multiplies in bf16: the same numbers as a bf16 GEMM on the reference
+    dequantization (tinygemm rounds scales to bf16 first), close to the packed kernel's."""
     from server.quant import int4, native
 
     monkeypatch.setenv("LOCALSERVE_HOME", str(tmp_path))
@@ -128,14 +142,34 @@ def test_int4_rows_past_the_threshold_run_unpacked_bf16_gemm(rows, tmp_path, mon
     layer.weight, layer.weight_scale, layer.weight_zero = pack_int4(q), scale, zero
     layer.bias = torch.nn.Parameter(torch.randn(192).bfloat16(), requires_grad=False)
     layer.prepare(use_kernel=True)
+    assert (layer.q4x32 is not None) == (int4_layout == "q4x32")
     x = torch.randn(rows, 128).bfloat16()
-    w_bf16 = dequantize_int4(q, scale.bfloat16(), zero.bfloat16(), 32).bfloat16()
+    if int4_layout == "tinygemm":
+        scale, zero = scale.bfloat16(), zero.bfloat16()
+    w_bf16 = dequantize_int4(q, scale, zero, 32).bfloat16()
     got = layer(x)
     torch.testing.assert_close(got, torch.mm(x, w_bf16.t().contiguous()) + layer.bias, rtol=0,
                                atol=0)
-    packed = torch.ops.aten._weight_int4pack_mm_for_cpu(
-        x, layer.kernel_weight, 32, layer.scales_and_zeros) + layer.bias
+    packed = layer._packed_mm(x) + layer.bias
     assert (got.float() - packed.float()).abs().max() < 0.02 * packed.float().abs().max()
+
+
+def test_int4_gemm_rows_are_independent_and_close_to_the_reference():
+    """int4_gemm.c at every row count up to past its blocks of 4 rows, with the real model's
+    group size and widths: each row the same bits as alone, within bf16 rounding of fp32."""
+    from server.quant import int4_gemm
+
+    if int4_gemm.checked() is None:
+        pytest.skip("int4_gemm.c needs AVX-512 BF16")
+    torch.manual_seed(4)
+    q, scale, zero = quantize_int4(torch.randn(1536, 576) * 0.05, 32)
+    layout = int4_gemm.pack(q, scale, zero, 32)
+    x = torch.randn(37, 576).bfloat16()
+    alone = torch.cat([int4_gemm.gemm(x[i:i + 1], layout, 32) for i in range(37)])
+    for m in (1, 2, 3, 4, 5, 8, 9, 16, 33, 37):
+        assert torch.equal(int4_gemm.gemm(x[:m], layout, 32), alone[:m]), m
+    want = x.float() @ dequantize_int4(q, scale, zero, 32).t()
+    assert (alone.float() - want).abs().max() < 0.01 * want.abs().max()
 
 
 def test_native_helper_can_be_turned_off(monkeypatch):
@@ -149,12 +183,14 @@ def test_native_helper_can_be_turned_off(monkeypatch):
 def test_native_helper_falls_back(cc, tmp_path, monkeypatch):
     """No compiler, or one that fails: no helper, and an int4 layer still answers every row
     with the packed kernel (inside an engine step too)."""
-    from server.quant import int4, native, rows
+    from server.quant import int4, int4_gemm, native, rows
 
     monkeypatch.setenv("LOCALSERVE_HOME", str(tmp_path))
     monkeypatch.setenv("CC", cc)
+    assert native._open(int4_gemm.SOURCE) is None
     assert native._load() is None
     monkeypatch.setattr(int4, "_checked", [None])  # what checked_unpack caches without one
+    monkeypatch.setattr(int4_gemm, "_state", [None])  # and int4_gemm.checked
     torch.manual_seed(2)
     q, scale, zero = quantize_int4(torch.randn(128, 64) * 0.05, 32)
     layer = Int4Linear(64, 128, 32)

@@ -1,0 +1,180 @@
+/* int4 weights times bf16 activations on AVX-512 BF16 (Zen 4/5, Intel Sapphire Rapids on):
+ * y[m, n] = sum_k x[m, k] * ((q[n, k] - 8) * scale[n, g] + zero[n, g]), g = k / group.
+ *
+ * Per group it computes sum_k x * (q - 8) with vdpbf16ps (q - 8 is an exact bf16, products are
+ * exact in fp32) and adds scale * that + zero * sum_k x: the weights are never rounded. The
+ * nibbles become bf16 through one vpermw table lookup, shared by every row of the call, so one
+ * row streams the weights at close to the memory's speed and more rows reuse them from cache.
+ *
+ * Layout (int4_gemm.py's pack), one stream read front to back: for each block of 32 outputs,
+ * for each group of inputs, the block's 32 scales and 32 zeros (fp16), then for each pair of
+ * inputs (2p, 2p + 1) 32 bytes: byte 2i + h holds q[32b + i, 2p + h] in its low nibble and
+ * q[32b + 16 + i, 2p + h] in its high nibble.
+ *
+ * Batch invariance: each row takes the same instructions in the same order whether it is
+ * computed alone or among others (rows go in blocks of up to 4 that share the weight lookups,
+ * but a row's accumulators never mix with another's). Returns nonzero where it cannot (built
+ * without AVX-512 BF16, or shapes it does not take): the caller keeps PyTorch's kernel.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+
+#define ROWS 4
+
+static inline __m512 dp(__m512 acc, int32_t xpair, __m512i w) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(xpair), (__m512bh)w);
+}
+
+#define GROUP_HEAD 128  /* bytes of scales and zeros before a group's nibbles */
+
+static inline int64_t group_bytes(int64_t group) { return GROUP_HEAD + group * 16; }
+
+static inline __m512 half16(const uint8_t *p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+
+/* Rows [0, r) of x (r <= ROWS) against one block of 32 outputs, into y (fp32, row stride n). */
+static inline void block(const uint16_t *x, int64_t k, const float *xsum, int64_t groups,
+                         int64_t group, const uint8_t *blk, float *y, int64_t n, const int r,
+                         __m512i table) {
+    __m512 y0[ROWS], y1[ROWS];
+    for (int i = 0; i < r; i++) y0[i] = y1[i] = _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi16(0x0F);
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *head = blk + g * group_bytes(group), *pk = head + GROUP_HEAD;
+        __m512 a0[ROWS], a1[ROWS];
+        for (int i = 0; i < r; i++) a0[i] = a1[i] = _mm512_setzero_ps();
+        const int64_t p0 = g * group / 2;
+        for (int64_t p = p0; p < p0 + group / 2; p++) {
+            __m512i w = _mm512_cvtepu8_epi16(
+                _mm256_loadu_si256((const __m256i *)(pk + (p - p0) * 32)));
+            __m512i w0 = _mm512_permutexvar_epi16(_mm512_and_si512(w, low), table);
+            __m512i w1 = _mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), table);
+            for (int i = 0; i < r; i++) {
+                int32_t xp;
+                memcpy(&xp, x + i * k + 2 * p, sizeof xp);
+                a0[i] = dp(a0[i], xp, w0);
+                a1[i] = dp(a1[i], xp, w1);
+            }
+        }
+        const __m512 s0 = half16(head), s1 = half16(head + 32);
+        const __m512 z0 = half16(head + 64), z1 = half16(head + 96);
+        for (int i = 0; i < r; i++) {
+            __m512 xs = _mm512_set1_ps(xsum[i * groups + g]);
+            y0[i] = _mm512_add_ps(_mm512_add_ps(y0[i], _mm512_mul_ps(a0[i], s0)),
+                                  _mm512_mul_ps(xs, z0));
+            y1[i] = _mm512_add_ps(_mm512_add_ps(y1[i], _mm512_mul_ps(a1[i], s1)),
+                                  _mm512_mul_ps(xs, z1));
+        }
+    }
+    for (int i = 0; i < r; i++) {
+        _mm512_storeu_ps(y + i * n, y0[i]);
+        _mm512_storeu_ps(y + i * n + 16, y1[i]);
+    }
+}
+
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float bf16_to_float(uint16_t v) {
+    uint32_t u = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* x: bf16 [m, k]; y: fp32 [m, n] (out_bf16 = 0) or bf16 (1); scratch: fp32 [m * k / group]
+ * (the per-group sums of x), and for bf16 output fp32 [m * n] more. */
+int int4_gemm(const uint16_t *x, const uint8_t *packed, void *y, float *scratch, int64_t m,
+              int64_t n, int64_t k, int64_t group, int out_bf16) {
+    if (n % 32 || k % group || group % 2) return 1;
+    int64_t groups = k / group, blocks = n / 32;
+    float *xsum = scratch, *yf = out_bf16 ? scratch + m * groups : (float *)y;
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t g = 0; g < groups; g++) {
+            float s = 0.0f;
+            for (int64_t j = g * group; j < (g + 1) * group; j++)
+                s = s + bf16_to_float(x[i * k + j]);
+            xsum[i * groups + g] = s;
+        }
+    uint16_t t[32];
+    for (int v = 0; v < 32; v++) t[v] = float_to_bf16((float)(v & 15) - 8.0f);
+    __m512i table;
+    memcpy(&table, t, sizeof table);
+    #pragma omp parallel for schedule(static) if (blocks >= 4)
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *blk = packed + b * groups * group_bytes(group);
+        for (int64_t i = 0; i < m; i += ROWS) {
+            int r = m - i < ROWS ? (int)(m - i) : ROWS;
+            const uint16_t *xi = x + i * k;
+            const float *xs = xsum + i * groups;
+            float *yi = yf + i * n + b * 32;
+            /* Constant row counts, so each compiles to its own unrolled loops. */
+            if (r == 4) block(xi, k, xs, groups, group, blk, yi, n, 4, table);
+            else if (r == 3) block(xi, k, xs, groups, group, blk, yi, n, 3, table);
+            else if (r == 2) block(xi, k, xs, groups, group, blk, yi, n, 2, table);
+            else block(xi, k, xs, groups, group, blk, yi, n, 1, table);
+        }
+    }
+    if (out_bf16) {
+        uint16_t *yb = (uint16_t *)y;
+        #pragma omp parallel for schedule(static) if (m * n >= (1 << 16))
+        for (int64_t i = 0; i < m * n; i++) yb[i] = float_to_bf16(yf[i]);
+    }
+    return 0;
+}
+
+/* The weight as bf16 [k][n] (transposed, so that x @ out is the layer), rows [k0, k1):
+ * w = (q - 8) * scale + zero in fp32, rounded to nearest even. For prompt rows (rows.py). */
+int int4_unpack_q4x32(const uint8_t *packed, uint16_t *out, int64_t n, int64_t k,
+                      int64_t group, int64_t k0, int64_t k1) {
+    if (n % 32 || k % group || k0 < 0 || k1 > k || k0 > k1 || k0 % 2 || k1 % 2) return 1;
+    int64_t groups = k / group;
+    #pragma omp parallel for schedule(static)
+    for (int64_t c = k0; c < k1; c += 2) {
+        int64_t g = c / group, p = (c % group) / 2;
+        for (int64_t b = 0; b < n / 32; b++) {
+            const uint8_t *head = packed + (b * groups + g) * group_bytes(group);
+            const uint8_t *src = head + GROUP_HEAD + p * 32;
+            float sc[32], zr[32];
+            _mm512_storeu_ps(sc, half16(head));
+            _mm512_storeu_ps(sc + 16, half16(head + 32));
+            _mm512_storeu_ps(zr, half16(head + 64));
+            _mm512_storeu_ps(zr + 16, half16(head + 96));
+            for (int h = 0; h < 2; h++)
+                for (int i = 0; i < 16; i++) {
+                    uint8_t byte = src[2 * i + h];
+                    int64_t o = b * 32 + i;
+                    float lo = (float)(byte & 15) - 8.0f, hi = (float)(byte >> 4) - 8.0f;
+                    out[(c + h) * n + o] = float_to_bf16(lo * sc[i] + zr[i]);
+                    out[(c + h) * n + o + 16] = float_to_bf16(hi * sc[i + 16] + zr[i + 16]);
+                }
+        }
+    }
+    return 0;
+}
+
+int int4_gemm_available(void) { return 1; }
+
+#else
+
+int int4_gemm(const void *x, const void *packed, void *y, void *scratch, int64_t m, int64_t n,
+              int64_t k, int64_t group, int out_bf16) {
+    return 1;
+}
+
+int int4_unpack_q4x32(const void *packed, void *out, int64_t n, int64_t k, int64_t group,
+                      int64_t k0, int64_t k1) {
+    return 1;
+}
+
+int int4_gemm_available(void) { return 0; }
+
+#endif

@@ -1,0 +1,129 @@
+"""The AVX-512 BF16 int4 kernel (int4_gemm.c) for CPU int4 layers, where this machine has it.
+
+PyTorch's CPU int4 kernel streams one row's weights at about a third of the memory bandwidth
+and slows down almost linearly with more rows (benchmarks/kernels.py); int4_gemm.c converts
+the nibbles once per call for every row and multiplies with vdpbf16ps. It has its own layout
+(`pack`: one stream, scales and zeros beside their nibbles), so a layer holds either its
+layout or PyTorch's, never both.
+
+It is used only after `checked()` passed on this machine: the kernel against the fp32
+reference within rounding, its rows the same alone and batched, and its unpacking to bf16 (for
+prompt rows) bit for bit the reference dequantization. Otherwise (no compiler, no AVX-512 BF16,
+LOCALSERVE_NO_NATIVE=1) layers keep PyTorch's kernel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from pathlib import Path
+
+import torch
+
+from server.quant import native
+
+log = logging.getLogger("localserve")
+
+SOURCE = Path(__file__).with_name("int4_gemm.c")
+BLOCK = 32  # outputs per block of the layout: a layer's out_features must be a multiple
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+
+_lock = threading.Lock()
+_state: list = []  # [the checked library or None], once per process
+
+
+def pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int) -> torch.Tensor:
+    """q [N, K] values 0..15, scale and zero [N, K / group] -> the kernel's layout, uint8
+    [N / 32, K / group, 128 + 16 * group]: per block of 32 outputs and group of inputs, the
+    scales and zeros (fp16, 64 bytes each) then the nibbles (see int4_gemm.c)."""
+    n, k = q.shape
+    blocks, groups = n // BLOCK, k // group
+    q = q.to(torch.uint8).view(blocks, 2, 16, k // 2, 2)
+    nibbles = (q[:, 0] | (q[:, 1] << 4)).permute(0, 2, 1, 3)  # [blocks, K/2, 16, 2]
+    nibbles = nibbles.reshape(blocks, groups, group * 16)
+
+    def head(t: torch.Tensor) -> torch.Tensor:  # [N, groups] -> [blocks, groups, 64] bytes
+        t = t.to(torch.float16).view(blocks, BLOCK, groups).transpose(1, 2).contiguous()
+        return t.view(torch.uint8)
+
+    return torch.cat([head(scale), head(zero), nibbles], dim=-1).contiguous()
+
+
+def takes(out_features: int, in_features: int, group: int) -> bool:
+    """Whether a layer of this shape can use the kernel here."""
+    return out_features % BLOCK == 0 and in_features % group == 0 and checked() is not None
+
+
+def gemm(x: torch.Tensor, packed: torch.Tensor, group: int, lib=None) -> torch.Tensor | None:
+    """x bf16 [M, K] @ the layer -> bf16 [M, N]; None if the kernel declines."""
+    lib = lib or checked()
+    m, k = x.shape
+    n = packed.shape[0] * BLOCK
+    x = x.contiguous()
+    y = x.new_empty(m, n)
+    scratch = torch.empty(m * (k // group) + m * n, dtype=torch.float32)
+    if (lib is None or packed.shape[1] * group != k
+            or lib.int4_gemm(x.data_ptr(), packed.data_ptr(), y.data_ptr(), scratch.data_ptr(),
+                             m, n, k, group, 1)):
+        return None
+    return y
+
+
+def unpack_t(packed: torch.Tensor, group: int, out: torch.Tensor,
+             lib=None) -> torch.Tensor | None:
+    """The weight as bf16 [K, N] into `out` (for GEMMs on prompt rows); None if it declines."""
+    lib = lib or checked()
+    n, k = packed.shape[0] * BLOCK, packed.shape[1] * group
+    if lib is None or lib.int4_unpack_q4x32(packed.data_ptr(), out.data_ptr(), n, k, group, 0,
+                                            k):
+        return None
+    return out
+
+
+def checked():
+    """The library if it is built for this machine and passed the checks, else None."""
+    if not _state:
+        with _lock:
+            if not _state:
+                lib = _open()
+                problem = lib and _self_check(lib)
+                if problem:
+                    log.warning("int4_gemm.c failed its check (%s); using PyTorch's kernel",
+                                problem)
+                _state.append(None if problem else lib)
+    return _state[0]
+
+
+def _open():
+    lib = native.library(SOURCE)
+    if lib is None or not lib.int4_gemm_available():
+        return None
+    lib.int4_gemm.restype = lib.int4_unpack_q4x32.restype = ctypes.c_int
+    lib.int4_gemm.argtypes = [_P] * 4 + [_I] * 4 + [ctypes.c_int]
+    lib.int4_unpack_q4x32.argtypes = [_P] * 2 + [_I] * 5
+    return lib
+
+
+def _self_check(lib) -> str | None:
+    from server.quant.int4 import dequantize_int4
+
+    g = torch.Generator().manual_seed(0)
+    for n, k, group in ((96, 256, 32), (64, 384, 128)):
+        q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+        scale = (torch.rand(n, k // group, generator=g) / 8).half()
+        zero = (torch.randn(n, k // group, generator=g) / 4).half()
+        layout = pack(q, scale, zero, group)
+        w = dequantize_int4(q, scale, zero, group)  # fp32 [N, K]
+        unpacked = unpack_t(layout, group, torch.empty(k, n, dtype=torch.bfloat16), lib)
+        if unpacked is None or not torch.equal(unpacked, w.to(torch.bfloat16).t()):
+            return "unpack"
+        x = torch.randn(11, k, generator=g).to(torch.bfloat16)
+        y = gemm(x, layout, group, lib)
+        want = x.float() @ w.t()
+        if y is None or not torch.allclose(y.float(), want, rtol=2e-2, atol=2e-2 * want.std()):
+            return "gemm"
+        if not all(torch.equal(y[i:i + 1], gemm(x[i:i + 1], layout, group, lib))
+                   for i in range(11)):
+            return "rows"
+    return None
