@@ -157,15 +157,18 @@ class Int4Linear(nn.Module):
         y = rows_mm(self, x2, rows, self._packed_mm)
         if y is not None:
             return y
-        if x2.shape[0] >= UNPACK_MIN_ROWS and (weight_t := self.unpacked_t()) is not None:
+        if (x2.shape[0] >= UNPACK_MIN_ROWS and self.unpacked_numel()
+                and (weight_t := self.unpacked_t()) is not None):
             return torch.mm(x2, weight_t)
         return self._packed_mm(x2)
 
     def unpacked_numel(self) -> int:
         """How many bf16 values unpack_into writes (rows.py); 0 when it cannot."""
-        can = self.q4x32 is not None or (self.kernel_weight is not None and
-                                         self.kernel_weight.device.type == "cpu"
-                                         and self._unpacker())
+        if self.q4x32 is not None:
+            can = int4_gemm.PROMPTS_UNPACKED
+        else:
+            can = (self.kernel_weight is not None and self.kernel_weight.device.type == "cpu"
+                   and self._unpacker() is not None)
         return self.out_features * self.in_features if can else 0
 
     def _unpacker(self):

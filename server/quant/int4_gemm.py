@@ -27,6 +27,11 @@ log = logging.getLogger("localserve")
 
 SOURCE = Path(__file__).with_name("int4_gemm.c")
 BLOCK = 32  # outputs per block of the layout: a layer's out_features must be a multiple
+# Prompt rows: on AMX machines oneDNN's bf16 GEMM on the unpacked weight is several times this
+# kernel (AMX tiles); on AVX-512 BF16 without AMX the two are even at 16-64 rows (300-340
+# GFLOP/s on Zen 4, benchmarks/kernels.py) and this kernel needs no unpacked copy, so every
+# row takes it.
+PROMPTS_UNPACKED = "amx_bf16" in native.cpu_flags()
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 _lock = threading.Lock()

@@ -103,6 +103,12 @@ def _build(source: Path) -> Path:
     return target
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (/proc/cpuinfo), empty where unknown."""
+    line = _cpu_flags()
+    return set(line.partition(":")[2].split()) if line.startswith("flags") else set()
+
+
 def _cpu_flags() -> str:
     try:
         with open("/proc/cpuinfo") as f:

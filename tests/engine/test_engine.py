@@ -229,19 +229,26 @@ def llama_quantized(request):
     return build_model(our_config(hf), state, schemes, CPU, torch.bfloat16)
 
 
-def test_prompt_rows_give_the_same_logprobs_however_they_are_computed(llama_quantized):
+@pytest.mark.parametrize("prompts_unpacked", [True, False])
+def test_prompt_rows_give_the_same_logprobs_however_they_are_computed(llama_quantized,
+                                                                     prompts_unpacked,
+                                                                     monkeypatch):
     """int4/int8 layers send prompt rows through a bf16 GEMM on the unpacked weight and
-    generated rows through the packed kernel, whatever shares the step: a prompt computed whole,
-    in chunks of 16, from the prefix cache or among decoding sequences gives the same logprobs
-    bit for bit (with a row-count threshold instead, the cached run's tail took the other kernel
-    and real-model greedy text diverged)."""
+    generated rows through the packed kernel (or, with int4_gemm.c and no AMX, every row through
+    the kernel), whatever shares the step: a prompt computed whole, in chunks of 16, from the
+    prefix cache or among decoding sequences gives the same logprobs bit for bit (with a
+    row-count threshold instead, the cached run's tail took the other kernel and real-model
+    greedy text diverged)."""
+    from server.quant import int4_gemm
     from server.quant.int4 import checked_unpack
 
+    monkeypatch.setattr(int4_gemm, "PROMPTS_UNPACKED", prompts_unpacked)
     llama_int4 = llama_quantized
     layers = [m for m in llama_int4.modules() if hasattr(m, "unpacked_numel")]
     if any(type(m).__name__ == "Int4Linear" for m in layers):
         assert checked_unpack() is not None  # built with the machine's C compiler
-    assert all(m.unpacked_numel() for m in layers if m is not llama_int4.lm_head)
+    assert all(bool(m.unpacked_numel()) == (prompts_unpacked or getattr(m, "q4x32", None) is None)
+               for m in layers if m is not llama_int4.lm_head)
 
     def generate(seqs, **config):
         engine = Engine(llama_int4, EngineConfig(**({"num_blocks": 64} | config)), CPU,

@@ -127,10 +127,12 @@ def test_int4_rows_past_the_threshold_run_unpacked_bf16_gemm(rows, int4_layout, 
                                                              monkeypatch):
     """From UNPACK_MIN_ROWS rows the CPU layer unpacks its int4 layout to bf16 with a compiled
     helper and multiplies in bf16: the same numbers as a bf16 GEMM on the reference
-    dequantization (tinygemm rounds scales to bf16 first), close to the packed kernel's."""
-    from server.quant import int4, native
+    dequantization (tinygemm rounds scales to bf16 first), close to the packed kernel's.
+    (int4_gemm.c's layout does so where prompts take the unpacked weights: AMX machines.)"""
+    from server.quant import int4, int4_gemm, native
 
     monkeypatch.setenv("LOCALSERVE_HOME", str(tmp_path))
+    monkeypatch.setattr(int4_gemm, "PROMPTS_UNPACKED", True)
     # The project's machines and CI have a C compiler (the helper is built, not skipped);
     # without one the packed kernel serves every row: test_native_helper_falls_back.
     assert native._load() is not None and int4.checked_unpack() is not None
@@ -152,6 +154,26 @@ def test_int4_rows_past_the_threshold_run_unpacked_bf16_gemm(rows, int4_layout, 
                                atol=0)
     packed = layer._packed_mm(x) + layer.bias
     assert (got.float() - packed.float()).abs().max() < 0.02 * packed.float().abs().max()
+
+
+def test_int4_gemm_takes_every_row_where_prompts_are_not_unpacked(monkeypatch):
+    """Without AMX, int4_gemm.c serves prompt rows too: no unpacked copy, inside an engine step
+    or outside, and each row the same as alone."""
+    from server.quant import int4_gemm, rows
+
+    if int4_gemm.checked() is None:
+        pytest.skip("int4_gemm.c needs AVX-512 BF16")
+    monkeypatch.setattr(int4_gemm, "PROMPTS_UNPACKED", False)
+    q, scale, zero = quantize_int4(torch.randn(128, 64) * 0.05, 32)
+    layer = Int4Linear(64, 128, 32)
+    layer.weight, layer.weight_scale, layer.weight_zero = pack_int4(q), scale, zero
+    layer.prepare(use_kernel=True)
+    assert layer.unpacked_numel() == 0
+    x = torch.randn(80, 64).bfloat16()
+    alone = torch.cat([layer(x[i:i + 1]) for i in range(80)])
+    assert torch.equal(layer(x), alone)
+    split = rows.split_rows(list(range(40)), 80, torch.device("cpu"), rows.UnpackedWeights(layer))
+    assert torch.equal(layer(x, split), alone)
 
 
 def test_int4_gemm_rows_are_independent_and_close_to_the_reference():
@@ -205,13 +227,15 @@ def test_native_helper_falls_back(cc, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("prompt_rows", [[0, 1, 2, 3], [5, 6, 7], [2, 3, 6], []])
-def test_int4_rows_take_their_kinds_path_wherever_they_sit(prompt_rows, tmp_path, monkeypatch):
+def test_int4_rows_take_their_kinds_path_wherever_they_sit(prompt_rows, int4_layout, tmp_path,
+                                                           monkeypatch):
     """In a step mixing kinds each row gets exactly what it would alone: prompt rows the bf16
     GEMM, generated rows the packed kernel (prompt rows first, last, scattered, none), with the
     engine's kept copies or without."""
-    from server.quant import rows
+    from server.quant import int4_gemm, rows
 
     monkeypatch.setenv("LOCALSERVE_HOME", str(tmp_path))
+    monkeypatch.setattr(int4_gemm, "PROMPTS_UNPACKED", True)
     torch.manual_seed(1)
     q, scale, zero = quantize_int4(torch.randn(128, 64) * 0.05, 32)
     layer = Int4Linear(64, 128, 32)
