@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from server.quant import avx512_gemm
 from server.quant.rows import PACKED_TILE, RowSplit, kernel_rows_independent, rows_mm, tiled_rows
 
 
@@ -39,11 +40,22 @@ class Int8Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.kernel_scale: torch.Tensor | None = None  # [N] bf16, set when the kernel applies
         self.tiled = False  # the CPU kernel's rows depend on each other here: call it in tiles
+        # On a CPU that avx512_gemm.c serves: the weight in its layout, and fp32 row scales.
+        self.q8: torch.Tensor | None = None
+        self.q8_scale: torch.Tensor | None = None
 
     def prepare(self, use_kernel: bool = True) -> None:
         """Pick the kernel once the module sits on its final device."""
+        if self.q8 is not None:
+            return  # already converted
         on_cpu = self.weight.device.type == "cpu"
         self.kernel_scale = self.weight_scale.bfloat16() if use_kernel and on_cpu else None
+        if self.kernel_scale is not None and avx512_gemm.takes(self.out_features,
+                                                               self.in_features):
+            # Its own copy; the stored one goes (a tied embedding keeps reading it).
+            self.q8, self.q8_scale = avx512_gemm.pack_int8(self.weight), self.weight_scale.float()
+            self.weight = None
+            return
         self.tiled = self.kernel_scale is not None and not kernel_rows_independent(
             "int8", _sample_int8_kernel(self.in_features), self.in_features)
 
@@ -64,6 +76,11 @@ class Int8Linear(nn.Module):
         return self._kernel(x2)
 
     def _kernel(self, x2: torch.Tensor) -> torch.Tensor:
+        if self.q8 is not None:
+            y = avx512_gemm.gemm_int8(x2, self.q8, self.q8_scale)
+            if y is None:
+                raise RuntimeError("avx512_gemm.c declined a layer it was built for")
+            return y
         return torch.ops.aten._weight_int8pack_mm(x2, self.weight, self.kernel_scale)
 
     def unpacked_numel(self) -> int:
@@ -74,7 +91,10 @@ class Int8Linear(nn.Module):
         """The weight times its row scales in bf16 (0.2 ms for 3072x576), as [in, out]: a
         transposed view, which the GEMM takes as it is (3x the kernel's speed at 512 rows)."""
         w = flat[: self.in_features * self.out_features].view(self.out_features, self.in_features)
-        torch.mul(self.weight, self.kernel_scale[:, None], out=w)
+        if self.q8 is not None:
+            avx512_gemm.unpack_int8_into(self.q8, self.kernel_scale, w)
+        else:
+            torch.mul(self.weight, self.kernel_scale[:, None], out=w)
         return w.t()
 
 

@@ -111,14 +111,14 @@ def test_int4_kernel_matches_reference(rows):
 
 @pytest.fixture(params=["q4x32", "tinygemm"])
 def int4_layout(request, monkeypatch):
-    """Each CPU int4 layout: int4_gemm.c's (where the machine has AVX-512 BF16) and PyTorch's
+    """Each CPU int4 layout: avx512_gemm.c's (where the machine has AVX-512 BF16) and PyTorch's
     tinygemm pack (everywhere else)."""
-    from server.quant import int4_gemm
+    from server.quant import avx512_gemm
 
     if request.param == "tinygemm":
-        monkeypatch.setattr(int4_gemm, "_state", [None])
-    elif int4_gemm.checked() is None:
-        pytest.skip("int4_gemm.c needs AVX-512 BF16")
+        monkeypatch.setattr(avx512_gemm, "_state", [None])
+    elif avx512_gemm.checked() is None:
+        pytest.skip("avx512_gemm.c needs AVX-512 BF16")
     return request.param
 
 
@@ -128,11 +128,11 @@ def test_int4_rows_past_the_threshold_run_unpacked_bf16_gemm(rows, int4_layout, 
     """From UNPACK_MIN_ROWS rows the CPU layer unpacks its int4 layout to bf16 with a compiled
     helper and multiplies in bf16: the same numbers as a bf16 GEMM on the reference
     dequantization (tinygemm rounds scales to bf16 first), close to the packed kernel's.
-    (int4_gemm.c's layout does so where prompts take the unpacked weights: AMX machines.)"""
-    from server.quant import int4, int4_gemm, native
+    (avx512_gemm.c's layout does so where prompts take the unpacked weights: AMX machines.)"""
+    from server.quant import avx512_gemm, int4, native
 
     monkeypatch.setenv("LOCALSERVE_HOME", str(tmp_path))
-    monkeypatch.setattr(int4_gemm, "PROMPTS_UNPACKED", True)
+    monkeypatch.setattr(avx512_gemm, "PROMPTS_UNPACKED", True)
     # The project's machines and CI have a C compiler (the helper is built, not skipped);
     # without one the packed kernel serves every row: test_native_helper_falls_back.
     assert native._load() is not None and int4.checked_unpack() is not None
@@ -157,13 +157,13 @@ def test_int4_rows_past_the_threshold_run_unpacked_bf16_gemm(rows, int4_layout, 
 
 
 def test_int4_gemm_takes_every_row_where_prompts_are_not_unpacked(monkeypatch):
-    """Without AMX, int4_gemm.c serves prompt rows too: no unpacked copy, inside an engine step
+    """Without AMX, avx512_gemm.c serves prompt rows too: no unpacked copy, inside an engine step
     or outside, and each row the same as alone."""
-    from server.quant import int4_gemm, rows
+    from server.quant import avx512_gemm, rows
 
-    if int4_gemm.checked() is None:
-        pytest.skip("int4_gemm.c needs AVX-512 BF16")
-    monkeypatch.setattr(int4_gemm, "PROMPTS_UNPACKED", False)
+    if avx512_gemm.checked() is None:
+        pytest.skip("avx512_gemm.c needs AVX-512 BF16")
+    monkeypatch.setattr(avx512_gemm, "PROMPTS_UNPACKED", False)
     q, scale, zero = quantize_int4(torch.randn(128, 64) * 0.05, 32)
     layer = Int4Linear(64, 128, 32)
     layer.weight, layer.weight_scale, layer.weight_zero = pack_int4(q), scale, zero
@@ -176,20 +176,44 @@ def test_int4_gemm_takes_every_row_where_prompts_are_not_unpacked(monkeypatch):
     assert torch.equal(layer(x, split), alone)
 
 
-def test_int4_gemm_rows_are_independent_and_close_to_the_reference():
-    """int4_gemm.c at every row count up to past its blocks of 4 rows, with the real model's
-    group size and widths: each row the same bits as alone, within bf16 rounding of fp32."""
-    from server.quant import int4_gemm
+def test_int8_layer_on_avx512_gemm_rows_are_independent_and_close_to_the_reference():
+    """An int8 layer on avx512_gemm.c (an LM head's shape, scaled down): each row the same bits
+    as alone, within bf16 rounding of the fp32 reference; its unpacked weight (prompt rows) the
+    reference's bf16 weight exactly."""
+    from server.quant import avx512_gemm
 
-    if int4_gemm.checked() is None:
-        pytest.skip("int4_gemm.c needs AVX-512 BF16")
+    if avx512_gemm.checked() is None:
+        pytest.skip("avx512_gemm.c needs AVX-512 BF16")
+    torch.manual_seed(5)
+    q, scale = quantize_int8(torch.randn(4096, 576))
+    layer = Int8Linear(576, 4096)
+    layer.weight, layer.weight_scale = q, scale
+    layer.prepare(use_kernel=True)
+    assert layer.q8 is not None and layer.weight is None
+    x = torch.randn(37, 576).bfloat16()
+    alone = torch.cat([layer(x[i:i + 1]) for i in range(37)])
+    for m in (2, 3, 4, 5, 16, 37):
+        assert torch.equal(layer(x[:m]), alone[:m]), m
+    want = x.float() @ dequantize_int8(q, scale).t()
+    assert (alone.float() - want).abs().max() < 0.01 * want.abs().max()
+    flat = torch.empty(4096 * 576, dtype=torch.bfloat16)
+    assert torch.equal(layer.unpack_into(flat), (q.bfloat16() * scale.bfloat16()[:, None]).t())
+
+
+def test_int4_gemm_rows_are_independent_and_close_to_the_reference():
+    """avx512_gemm.c at every row count up to past its blocks of 4 rows, with the real model's
+    group size and widths: each row the same bits as alone, within bf16 rounding of fp32."""
+    from server.quant import avx512_gemm
+
+    if avx512_gemm.checked() is None:
+        pytest.skip("avx512_gemm.c needs AVX-512 BF16")
     torch.manual_seed(4)
     q, scale, zero = quantize_int4(torch.randn(1536, 576) * 0.05, 32)
-    layout = int4_gemm.pack(q, scale, zero, 32)
+    layout = avx512_gemm.pack_int4(q, scale, zero, 32)
     x = torch.randn(37, 576).bfloat16()
-    alone = torch.cat([int4_gemm.gemm(x[i:i + 1], layout, 32) for i in range(37)])
+    alone = torch.cat([avx512_gemm.gemm(x[i:i + 1], layout, 32) for i in range(37)])
     for m in (1, 2, 3, 4, 5, 8, 9, 16, 33, 37):
-        assert torch.equal(int4_gemm.gemm(x[:m], layout, 32), alone[:m]), m
+        assert torch.equal(avx512_gemm.gemm(x[:m], layout, 32), alone[:m]), m
     want = x.float() @ dequantize_int4(q, scale, zero, 32).t()
     assert (alone.float() - want).abs().max() < 0.01 * want.abs().max()
 
@@ -205,14 +229,14 @@ def test_native_helper_can_be_turned_off(monkeypatch):
 def test_native_helper_falls_back(cc, tmp_path, monkeypatch):
     """No compiler, or one that fails: no helper, and an int4 layer still answers every row
     with the packed kernel (inside an engine step too)."""
-    from server.quant import int4, int4_gemm, native, rows
+    from server.quant import avx512_gemm, int4, native, rows
 
     monkeypatch.setenv("LOCALSERVE_HOME", str(tmp_path))
     monkeypatch.setenv("CC", cc)
-    assert native._open(int4_gemm.SOURCE) is None
+    assert native._open(avx512_gemm.SOURCE) is None
     assert native._load() is None
     monkeypatch.setattr(int4, "_checked", [None])  # what checked_unpack caches without one
-    monkeypatch.setattr(int4_gemm, "_state", [None])  # and int4_gemm.checked
+    monkeypatch.setattr(avx512_gemm, "_state", [None])  # and avx512_gemm.checked
     torch.manual_seed(2)
     q, scale, zero = quantize_int4(torch.randn(128, 64) * 0.05, 32)
     layer = Int4Linear(64, 128, 32)
@@ -232,10 +256,10 @@ def test_int4_rows_take_their_kinds_path_wherever_they_sit(prompt_rows, int4_lay
     """In a step mixing kinds each row gets exactly what it would alone: prompt rows the bf16
     GEMM, generated rows the packed kernel (prompt rows first, last, scattered, none), with the
     engine's kept copies or without."""
-    from server.quant import int4_gemm, rows
+    from server.quant import avx512_gemm, rows
 
     monkeypatch.setenv("LOCALSERVE_HOME", str(tmp_path))
-    monkeypatch.setattr(int4_gemm, "PROMPTS_UNPACKED", True)
+    monkeypatch.setattr(avx512_gemm, "PROMPTS_UNPACKED", True)
     torch.manual_seed(1)
     q, scale, zero = quantize_int4(torch.randn(128, 64) * 0.05, 32)
     layer = Int4Linear(64, 128, 32)
@@ -279,6 +303,9 @@ def test_a_packed_kernel_whose_rows_depend_on_each_other_is_called_in_tiles(monk
     for m in (1, 5, 16, 17, 40):
         assert torch.equal(rows.tiled_rows(dependent, x[:m], rows.PACKED_TILE), alone[:m])
     monkeypatch.setattr(rows, "_independent", {"int8": False})
+    from server.quant import avx512_gemm
+
+    monkeypatch.setattr(avx512_gemm, "_state", [None])  # PyTorch's int8 kernel, then
     q, scale = quantize_int8(torch.randn(96, 64))
     layer = Int8Linear(64, 96)
     layer.weight, layer.weight_scale = q, scale

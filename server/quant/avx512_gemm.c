@@ -1,12 +1,13 @@
-/* int4 weights times bf16 activations on AVX-512 BF16 (Zen 4/5, Intel Sapphire Rapids on):
- * y[m, n] = sum_k x[m, k] * ((q[n, k] - 8) * scale[n, g] + zero[n, g]), g = k / group.
+/* int4 and int8 weights times bf16 activations on AVX-512 BF16 (Zen 4/5, Intel Sapphire
+ * Rapids on). int4: y[m, n] = sum_k x[m, k] * ((q[n, k] - 8) * scale[n, g] + zero[n, g]),
+ * g = k / group; int8: y[m, n] = scale[n] * sum_k x[m, k] * q[n, k] (int8_gemm, at the end).
  *
  * Per group it computes sum_k x * (q - 8) with vdpbf16ps (q - 8 is an exact bf16, products are
  * exact in fp32) and adds scale * that + zero * sum_k x: the weights are never rounded. The
  * nibbles become bf16 through one vpermw table lookup, shared by every row of the call, so one
  * row streams the weights at close to the memory's speed and more rows reuse them from cache.
  *
- * Layout (int4_gemm.py's pack), one stream read front to back: for each block of 32 outputs,
+ * Layout (avx512_gemm.py's pack_int4), one stream read front to back: for each block of 32 outputs,
  * for each group of inputs, the block's 32 scales and 32 zeros (fp16), then for each pair of
  * inputs (2p, 2p + 1) 32 bytes: byte 2i + h holds q[32b + i, 2p + h] in its low nibble and
  * q[32b + 16 + i, 2p + h] in its high nibble.
@@ -161,6 +162,59 @@ int int4_unpack_q4x32(const uint8_t *packed, uint16_t *out, int64_t n, int64_t k
     return 0;
 }
 
+/* int8 (avx512_gemm.py's pack_int8): for each block of 32 outputs and each pair of inputs
+ * (2p, 2p + 1), 64 bytes: byte 2i + h of the first 32 is q[32b + i, 2p + h], of the next 32
+ * q[32b + 16 + i, 2p + h]. The int8 values become bf16 exactly (through fp32). */
+static inline __m512i int8_pairs(const int8_t *p) {
+    __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+    __m512 hi = _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16))));
+    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+}
+
+static inline void block8(const uint16_t *x, int64_t k, const int8_t *blk, const float *scale,
+                          float *y, int64_t n, const int r) {
+    __m512 a0[ROWS], a1[ROWS];
+    for (int i = 0; i < r; i++) a0[i] = a1[i] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < k / 2; p++) {
+        __m512i w0 = int8_pairs(blk + p * 64), w1 = int8_pairs(blk + p * 64 + 32);
+        for (int i = 0; i < r; i++) {
+            int32_t xp;
+            memcpy(&xp, x + i * k + 2 * p, sizeof xp);
+            a0[i] = dp(a0[i], xp, w0);
+            a1[i] = dp(a1[i], xp, w1);
+        }
+    }
+    const __m512 s0 = _mm512_loadu_ps(scale), s1 = _mm512_loadu_ps(scale + 16);
+    for (int i = 0; i < r; i++) {
+        _mm512_storeu_ps(y + i * n, _mm512_mul_ps(a0[i], s0));
+        _mm512_storeu_ps(y + i * n + 16, _mm512_mul_ps(a1[i], s1));
+    }
+}
+
+/* x: bf16 [m, k]; scale: fp32 [n]; y: bf16 [m, n]; scratch: fp32 [m * n]. */
+int int8_gemm(const uint16_t *x, const int8_t *packed, const float *scale, uint16_t *y,
+              float *scratch, int64_t m, int64_t n, int64_t k) {
+    if (n % 32 || k % 2) return 1;
+    int64_t blocks = n / 32;
+    #pragma omp parallel for schedule(static) if (blocks >= 4)
+    for (int64_t b = 0; b < blocks; b++) {
+        const int8_t *blk = packed + b * k * 32;
+        for (int64_t i = 0; i < m; i += ROWS) {
+            int r = m - i < ROWS ? (int)(m - i) : ROWS;
+            const uint16_t *xi = x + i * k;
+            float *yi = scratch + i * n + b * 32;
+            if (r == 4) block8(xi, k, blk, scale + b * 32, yi, n, 4);
+            else if (r == 3) block8(xi, k, blk, scale + b * 32, yi, n, 3);
+            else if (r == 2) block8(xi, k, blk, scale + b * 32, yi, n, 2);
+            else block8(xi, k, blk, scale + b * 32, yi, n, 1);
+        }
+    }
+    #pragma omp parallel for schedule(static) if (m * n >= (1 << 16))
+    for (int64_t i = 0; i < m * n; i++) y[i] = float_to_bf16(scratch[i]);
+    return 0;
+}
+
 int int4_gemm_available(void) { return 1; }
 
 #else
@@ -172,6 +226,11 @@ int int4_gemm(const void *x, const void *packed, void *y, void *scratch, int64_t
 
 int int4_unpack_q4x32(const void *packed, void *out, int64_t n, int64_t k, int64_t group,
                       int64_t k0, int64_t k1) {
+    return 1;
+}
+
+int int8_gemm(const void *x, const void *packed, const void *scale, void *y, void *scratch,
+              int64_t m, int64_t n, int64_t k) {
     return 1;
 }
 

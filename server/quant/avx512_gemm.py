@@ -1,7 +1,7 @@
-"""The AVX-512 BF16 int4 kernel (int4_gemm.c) for CPU int4 layers, where this machine has it.
+"""The AVX-512 BF16 int4 kernel (avx512_gemm.c) for CPU int4 layers, where this machine has it.
 
 PyTorch's CPU int4 kernel streams one row's weights at about a third of the memory bandwidth
-and slows down almost linearly with more rows (benchmarks/kernels.py); int4_gemm.c converts
+and slows down almost linearly with more rows (benchmarks/kernels.py); avx512_gemm.c converts
 the nibbles once per call for every row and multiplies with vdpbf16ps. It has its own layout
 (`pack`: one stream, scales and zeros beside their nibbles), so a layer holds either its
 layout or PyTorch's, never both.
@@ -25,7 +25,7 @@ from server.quant import native
 
 log = logging.getLogger("localserve")
 
-SOURCE = Path(__file__).with_name("int4_gemm.c")
+SOURCE = Path(__file__).with_name("avx512_gemm.c")
 BLOCK = 32  # outputs per block of the layout: a layer's out_features must be a multiple
 # Prompt rows: on AMX machines oneDNN's bf16 GEMM on the unpacked weight is several times this
 # kernel (AMX tiles); on AVX-512 BF16 without AMX the two are even at 16-64 rows (300-340
@@ -38,10 +38,10 @@ _lock = threading.Lock()
 _state: list = []  # [the checked library or None], once per process
 
 
-def pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int) -> torch.Tensor:
+def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int) -> torch.Tensor:
     """q [N, K] values 0..15, scale and zero [N, K / group] -> the kernel's layout, uint8
     [N / 32, K / group, 128 + 16 * group]: per block of 32 outputs and group of inputs, the
-    scales and zeros (fp16, 64 bytes each) then the nibbles (see int4_gemm.c)."""
+    scales and zeros (fp16, 64 bytes each) then the nibbles (see avx512_gemm.c)."""
     n, k = q.shape
     blocks, groups = n // BLOCK, k // group
     q = q.to(torch.uint8).view(blocks, 2, 16, k // 2, 2)
@@ -55,9 +55,24 @@ def pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int) -
     return torch.cat([head(scale), head(zero), nibbles], dim=-1).contiguous()
 
 
-def takes(out_features: int, in_features: int, group: int) -> bool:
-    """Whether a layer of this shape can use the kernel here."""
-    return out_features % BLOCK == 0 and in_features % group == 0 and checked() is not None
+def pack_int8(q: torch.Tensor) -> torch.Tensor:
+    """q int8 [N, K] -> the int8 kernel's layout, int8 [N / 32, K / 2, 64]."""
+    n, k = q.shape
+    return q.view(n // BLOCK, 2, 16, k // 2, 2).permute(0, 3, 1, 2, 4).reshape(
+        n // BLOCK, k // 2, 2 * BLOCK).contiguous()
+
+
+def unpack_int8_into(packed: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
+    """out [N, K] (bf16) = the weight times its row scales, from pack_int8's layout."""
+    blocks, pairs = packed.shape[:2]
+    torch.mul(packed.view(blocks, pairs, 2, 16, 2).permute(0, 2, 3, 1, 4),
+              scale.view(blocks, 2, 16, 1, 1), out=out.view(blocks, 2, 16, pairs, 2))
+
+
+def takes(out_features: int, in_features: int, group: int = 2) -> bool:
+    """Whether a layer of this shape can use the kernels here."""
+    return (out_features % BLOCK == 0 and in_features % group == 0 and in_features % 2 == 0
+            and checked() is not None)
 
 
 def gemm(x: torch.Tensor, packed: torch.Tensor, group: int, lib=None) -> torch.Tensor | None:
@@ -71,6 +86,22 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, group: int, lib=None) -> torch.T
     if (lib is None or packed.shape[1] * group != k
             or lib.int4_gemm(x.data_ptr(), packed.data_ptr(), y.data_ptr(), scratch.data_ptr(),
                              m, n, k, group, 1)):
+        return None
+    return y
+
+
+def gemm_int8(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+              lib=None) -> torch.Tensor | None:
+    """x bf16 [M, K] @ the int8 layer (scale fp32 [N]) -> bf16 [M, N]; None if it declines."""
+    lib = lib or checked()
+    m, k = x.shape
+    n = packed.shape[0] * BLOCK
+    x = x.contiguous()
+    y = x.new_empty(m, n)
+    scratch = torch.empty(m * n, dtype=torch.float32)
+    if (lib is None or packed.shape[1] * 2 != k
+            or lib.int8_gemm(x.data_ptr(), packed.data_ptr(), scale.data_ptr(), y.data_ptr(),
+                             scratch.data_ptr(), m, n, k)):
         return None
     return y
 
@@ -94,7 +125,7 @@ def checked():
                 lib = _open()
                 problem = lib and _self_check(lib)
                 if problem:
-                    log.warning("int4_gemm.c failed its check (%s); using PyTorch's kernel",
+                    log.warning("avx512_gemm.c failed its check (%s); using PyTorch's kernel",
                                 problem)
                 _state.append(None if problem else lib)
     return _state[0]
@@ -104,7 +135,8 @@ def _open():
     lib = native.library(SOURCE)
     if lib is None or not lib.int4_gemm_available():
         return None
-    lib.int4_gemm.restype = lib.int4_unpack_q4x32.restype = ctypes.c_int
+    lib.int4_gemm.restype = lib.int4_unpack_q4x32.restype = lib.int8_gemm.restype = ctypes.c_int
+    lib.int8_gemm.argtypes = [_P] * 5 + [_I] * 3
     lib.int4_gemm.argtypes = [_P] * 4 + [_I] * 4 + [ctypes.c_int]
     lib.int4_unpack_q4x32.argtypes = [_P] * 2 + [_I] * 5
     return lib
@@ -118,7 +150,7 @@ def _self_check(lib) -> str | None:
         q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
         scale = (torch.rand(n, k // group, generator=g) / 8).half()
         zero = (torch.randn(n, k // group, generator=g) / 4).half()
-        layout = pack(q, scale, zero, group)
+        layout = pack_int4(q, scale, zero, group)
         w = dequantize_int4(q, scale, zero, group)  # fp32 [N, K]
         unpacked = unpack_t(layout, group, torch.empty(k, n, dtype=torch.bfloat16), lib)
         if unpacked is None or not torch.equal(unpacked, w.to(torch.bfloat16).t()):
@@ -131,4 +163,19 @@ def _self_check(lib) -> str | None:
         if not all(torch.equal(y[i:i + 1], gemm(x[i:i + 1], layout, group, lib))
                    for i in range(11)):
             return "rows"
+    q = torch.randint(-127, 128, (96, 320), generator=g, dtype=torch.int8)
+    scale = torch.rand(96, generator=g) / 100
+    layout = pack_int8(q)
+    unpacked = torch.empty(96, 320, dtype=torch.bfloat16)
+    unpack_int8_into(layout, scale.bfloat16(), unpacked)
+    if not torch.equal(unpacked, (q.bfloat16() * scale.bfloat16()[:, None])):
+        return "int8 unpack"
+    x = torch.randn(11, 320, generator=g).to(torch.bfloat16)
+    y = gemm_int8(x, layout, scale, lib)
+    want = x.float() @ (q.float() * scale[:, None]).t()
+    if y is None or not torch.allclose(y.float(), want, rtol=2e-2, atol=2e-2 * want.std()):
+        return "int8 gemm"
+    if not all(torch.equal(y[i:i + 1], gemm_int8(x[i:i + 1], layout, scale, lib))
+               for i in range(11)):
+        return "int8 rows"
     return None
