@@ -251,24 +251,29 @@ int paged_decode(const void *q, const void *k_cache, const void *v_cache,
     size_t es = bf16 ? 2 : 4, ces = cache_bf16 ? 2 : 4;
     int64_t group = hq / hkv, work = 0;
     for (int64_t e = 0; e < b; e++) work += lens[e];
+    /* A job is one kv head of one entry with its `group` query heads (they share the keys and
+     * values; one query head a job was slower even at one entry). */
+    int64_t per_job = group, jobs = b * hkv;
     #pragma omp parallel for schedule(dynamic, 1) if (work * hq * d >= (1 << 15))
-    for (int64_t job = 0; job < b * hkv; job++) {
-        int64_t e = job / hkv, kh = job % hkv;
-        const char *qe = (const char *)q + (e * hq + kh * group) * d * es;
+    for (int64_t job = 0; job < jobs; job++) {
+        int64_t e = job * per_job / hq, h = job * per_job % hq, kh = h / group;
+        const char *qe = (const char *)q + (e * hq + h) * d * es;
         const char *kbase = (const char *)k_cache + kh * num_slots * d * ces;
         const char *vbase = (const char *)v_cache + kh * num_slots * d * ces;
-        char *oe = (char *)out + (e * hq + kh * group) * d * es;
-        float *sc = scratch + job * group * max_ctx;
+        char *oe = (char *)out + (e * hq + h) * d * es;
+        float *sc = scratch + (e * hq + h) * max_ctx;
         const int64_t *sl = ctx_slots + e * max_ctx;
+        int64_t n = lens[e];
+        float sf = (float)scale;
         /* Literal flags, so each of the four cases compiles to its own loops. */
         if (bf16 && cache_bf16)
-            decode_head(qe, group, kbase, vbase, sl, lens[e], d, (float)scale, sc, max_ctx, oe, 1, 1);
+            decode_head(qe, per_job, kbase, vbase, sl, n, d, sf, sc, max_ctx, oe, 1, 1);
         else if (bf16)
-            decode_head(qe, group, kbase, vbase, sl, lens[e], d, (float)scale, sc, max_ctx, oe, 1, 0);
+            decode_head(qe, per_job, kbase, vbase, sl, n, d, sf, sc, max_ctx, oe, 1, 0);
         else if (cache_bf16)
-            decode_head(qe, group, kbase, vbase, sl, lens[e], d, (float)scale, sc, max_ctx, oe, 0, 1);
+            decode_head(qe, per_job, kbase, vbase, sl, n, d, sf, sc, max_ctx, oe, 0, 1);
         else
-            decode_head(qe, group, kbase, vbase, sl, lens[e], d, (float)scale, sc, max_ctx, oe, 0, 0);
+            decode_head(qe, per_job, kbase, vbase, sl, n, d, sf, sc, max_ctx, oe, 0, 0);
     }
     return 0;
 }

@@ -74,15 +74,19 @@ def _open_checked():
 
 def _fits(*tensors: torch.Tensor) -> bool:
     """On the CPU, contiguous, and fp32 or bf16 where floating point."""
-    return all(t.device.type == "cpu" and t.is_contiguous()
-               and (t.dtype in _DTYPES or not t.is_floating_point()) for t in tensors)
+    for t in tensors:  # a plain loop: this runs several times per layer
+        if (t.device.type != "cpu" or not t.is_contiguous()
+                or (t.is_floating_point() and t.dtype not in _DTYPES)):
+            return False
+    return True
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """weight * round(x / rms(x)) over the last dim, as RMSNorm computes it; None: not here."""
     lib = _lib()
     h = x.shape[-1]
-    if lib is None or weight.dtype != x.dtype or h > MAX_HIDDEN or not _fits(x, weight):
+    if (lib is None or weight.dtype != x.dtype or x.dtype not in _DTYPES or h > MAX_HIDDEN
+            or not x.is_contiguous() or x.device.type != "cpu"):
         return None
     out = torch.empty_like(x)
     if lib.rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // h, h, eps,

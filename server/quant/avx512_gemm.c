@@ -23,7 +23,7 @@
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
 
-#define ROWS 4
+#define ROWS 6
 
 static inline __m512 dp(__m512 acc, int32_t xpair, __m512i w) {
     return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(xpair), (__m512bh)w);
@@ -37,9 +37,14 @@ static inline __m512 half16(const uint8_t *p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
 }
 
-/* Rows [0, r) of x (r <= ROWS) against one block of 32 outputs, into y (fp32, row stride n). */
+/* 16 fp32 to bf16, rounded to nearest even. */
+static inline void store_bf16(uint16_t *dst, __m512 v) {
+    _mm256_storeu_si256((__m256i *)dst, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+/* Rows [0, r) of x (r <= ROWS) against one block of 32 outputs, into y (bf16, row stride n). */
 static inline void block(const uint16_t *x, int64_t k, const float *xsum, int64_t groups,
-                         int64_t group, const uint8_t *blk, float *y, int64_t n, const int r,
+                         int64_t group, const uint8_t *blk, uint16_t *y, int64_t n, const int r,
                          __m512i table) {
     __m512 y0[ROWS], y1[ROWS];
     for (int i = 0; i < r; i++) y0[i] = y1[i] = _mm512_setzero_ps();
@@ -72,8 +77,8 @@ static inline void block(const uint16_t *x, int64_t k, const float *xsum, int64_
         }
     }
     for (int i = 0; i < r; i++) {
-        _mm512_storeu_ps(y + i * n, y0[i]);
-        _mm512_storeu_ps(y + i * n + 16, y1[i]);
+        store_bf16(y + i * n, y0[i]);
+        store_bf16(y + i * n + 16, y1[i]);
     }
 }
 
@@ -91,13 +96,11 @@ static inline float bf16_to_float(uint16_t v) {
     return f;
 }
 
-/* x: bf16 [m, k]; y: fp32 [m, n] (out_bf16 = 0) or bf16 (1); scratch: fp32 [m * k / group]
- * (the per-group sums of x), and for bf16 output fp32 [m * n] more. */
-int int4_gemm(const uint16_t *x, const uint8_t *packed, void *y, float *scratch, int64_t m,
-              int64_t n, int64_t k, int64_t group, int out_bf16) {
+/* x: bf16 [m, k]; y: bf16 [m, n]; xsum: fp32 [m * k / group] scratch (x's sums per group). */
+int int4_gemm(const uint16_t *x, const uint8_t *packed, uint16_t *y, float *xsum, int64_t m,
+              int64_t n, int64_t k, int64_t group) {
     if (n % 32 || k % group || group % 2) return 1;
     int64_t groups = k / group, blocks = n / 32;
-    float *xsum = scratch, *yf = out_bf16 ? scratch + m * groups : (float *)y;
     for (int64_t i = 0; i < m; i++)
         for (int64_t g = 0; g < groups; g++) {
             float s = 0.0f;
@@ -116,18 +119,15 @@ int int4_gemm(const uint16_t *x, const uint8_t *packed, void *y, float *scratch,
             int r = m - i < ROWS ? (int)(m - i) : ROWS;
             const uint16_t *xi = x + i * k;
             const float *xs = xsum + i * groups;
-            float *yi = yf + i * n + b * 32;
+            uint16_t *yi = y + i * n + b * 32;
             /* Constant row counts, so each compiles to its own unrolled loops. */
-            if (r == 4) block(xi, k, xs, groups, group, blk, yi, n, 4, table);
+            if (r == 6) block(xi, k, xs, groups, group, blk, yi, n, 6, table);
+            else if (r == 5) block(xi, k, xs, groups, group, blk, yi, n, 5, table);
+            else if (r == 4) block(xi, k, xs, groups, group, blk, yi, n, 4, table);
             else if (r == 3) block(xi, k, xs, groups, group, blk, yi, n, 3, table);
             else if (r == 2) block(xi, k, xs, groups, group, blk, yi, n, 2, table);
             else block(xi, k, xs, groups, group, blk, yi, n, 1, table);
         }
-    }
-    if (out_bf16) {
-        uint16_t *yb = (uint16_t *)y;
-        #pragma omp parallel for schedule(static) if (m * n >= (1 << 16))
-        for (int64_t i = 0; i < m * n; i++) yb[i] = float_to_bf16(yf[i]);
     }
     return 0;
 }
@@ -173,7 +173,7 @@ static inline __m512i int8_pairs(const int8_t *p) {
 }
 
 static inline void block8(const uint16_t *x, int64_t k, const int8_t *blk, const float *scale,
-                          float *y, int64_t n, const int r) {
+                          uint16_t *y, int64_t n, const int r) {
     __m512 a0[ROWS], a1[ROWS];
     for (int i = 0; i < r; i++) a0[i] = a1[i] = _mm512_setzero_ps();
     for (int64_t p = 0; p < k / 2; p++) {
@@ -187,14 +187,14 @@ static inline void block8(const uint16_t *x, int64_t k, const int8_t *blk, const
     }
     const __m512 s0 = _mm512_loadu_ps(scale), s1 = _mm512_loadu_ps(scale + 16);
     for (int i = 0; i < r; i++) {
-        _mm512_storeu_ps(y + i * n, _mm512_mul_ps(a0[i], s0));
-        _mm512_storeu_ps(y + i * n + 16, _mm512_mul_ps(a1[i], s1));
+        store_bf16(y + i * n, _mm512_mul_ps(a0[i], s0));
+        store_bf16(y + i * n + 16, _mm512_mul_ps(a1[i], s1));
     }
 }
 
-/* x: bf16 [m, k]; scale: fp32 [n]; y: bf16 [m, n]; scratch: fp32 [m * n]. */
+/* x: bf16 [m, k]; scale: fp32 [n]; y: bf16 [m, n]. */
 int int8_gemm(const uint16_t *x, const int8_t *packed, const float *scale, uint16_t *y,
-              float *scratch, int64_t m, int64_t n, int64_t k) {
+              int64_t m, int64_t n, int64_t k) {
     if (n % 32 || k % 2) return 1;
     int64_t blocks = n / 32;
     #pragma omp parallel for schedule(static) if (blocks >= 4)
@@ -203,15 +203,15 @@ int int8_gemm(const uint16_t *x, const int8_t *packed, const float *scale, uint1
         for (int64_t i = 0; i < m; i += ROWS) {
             int r = m - i < ROWS ? (int)(m - i) : ROWS;
             const uint16_t *xi = x + i * k;
-            float *yi = scratch + i * n + b * 32;
-            if (r == 4) block8(xi, k, blk, scale + b * 32, yi, n, 4);
+            uint16_t *yi = y + i * n + b * 32;
+            if (r == 6) block8(xi, k, blk, scale + b * 32, yi, n, 6);
+            else if (r == 5) block8(xi, k, blk, scale + b * 32, yi, n, 5);
+            else if (r == 4) block8(xi, k, blk, scale + b * 32, yi, n, 4);
             else if (r == 3) block8(xi, k, blk, scale + b * 32, yi, n, 3);
             else if (r == 2) block8(xi, k, blk, scale + b * 32, yi, n, 2);
             else block8(xi, k, blk, scale + b * 32, yi, n, 1);
         }
     }
-    #pragma omp parallel for schedule(static) if (m * n >= (1 << 16))
-    for (int64_t i = 0; i < m * n; i++) y[i] = float_to_bf16(scratch[i]);
     return 0;
 }
 
@@ -219,8 +219,8 @@ int int4_gemm_available(void) { return 1; }
 
 #else
 
-int int4_gemm(const void *x, const void *packed, void *y, void *scratch, int64_t m, int64_t n,
-              int64_t k, int64_t group, int out_bf16) {
+int int4_gemm(const void *x, const void *packed, void *y, void *xsum, int64_t m, int64_t n,
+              int64_t k, int64_t group) {
     return 1;
 }
 
@@ -229,8 +229,8 @@ int int4_unpack_q4x32(const void *packed, void *out, int64_t n, int64_t k, int64
     return 1;
 }
 
-int int8_gemm(const void *x, const void *packed, const void *scale, void *y, void *scratch,
-              int64_t m, int64_t n, int64_t k) {
+int int8_gemm(const void *x, const void *packed, const void *scale, void *y, int64_t m,
+              int64_t n, int64_t k) {
     return 1;
 }
 

@@ -82,10 +82,10 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, group: int, lib=None) -> torch.T
     n = packed.shape[0] * BLOCK
     x = x.contiguous()
     y = x.new_empty(m, n)
-    scratch = torch.empty(m * (k // group) + m * n, dtype=torch.float32)
+    xsum = torch.empty(m * (k // group), dtype=torch.float32)
     if (lib is None or packed.shape[1] * group != k
-            or lib.int4_gemm(x.data_ptr(), packed.data_ptr(), y.data_ptr(), scratch.data_ptr(),
-                             m, n, k, group, 1)):
+            or lib.int4_gemm(x.data_ptr(), packed.data_ptr(), y.data_ptr(), xsum.data_ptr(),
+                             m, n, k, group)):
         return None
     return y
 
@@ -98,10 +98,9 @@ def gemm_int8(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     n = packed.shape[0] * BLOCK
     x = x.contiguous()
     y = x.new_empty(m, n)
-    scratch = torch.empty(m * n, dtype=torch.float32)
     if (lib is None or packed.shape[1] * 2 != k
             or lib.int8_gemm(x.data_ptr(), packed.data_ptr(), scale.data_ptr(), y.data_ptr(),
-                             scratch.data_ptr(), m, n, k)):
+                             m, n, k)):
         return None
     return y
 
@@ -136,8 +135,8 @@ def _open():
     if lib is None or not lib.int4_gemm_available():
         return None
     lib.int4_gemm.restype = lib.int4_unpack_q4x32.restype = lib.int8_gemm.restype = ctypes.c_int
-    lib.int8_gemm.argtypes = [_P] * 5 + [_I] * 3
-    lib.int4_gemm.argtypes = [_P] * 4 + [_I] * 4 + [ctypes.c_int]
+    lib.int8_gemm.argtypes = [_P] * 4 + [_I] * 3
+    lib.int4_gemm.argtypes = [_P] * 4 + [_I] * 4
     lib.int4_unpack_q4x32.argtypes = [_P] * 2 + [_I] * 5
     return lib
 

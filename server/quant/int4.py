@@ -125,6 +125,10 @@ class Int4Linear(nn.Module):
         self.weight = self.weight_scale = self.weight_zero = None
 
     def forward(self, x: torch.Tensor, rows: RowSplit | None = None) -> torch.Tensor:
+        if (self.q4x32 is not None and not avx512_gemm.PROMPTS_UNPACKED
+                and x.dtype == KERNEL_DTYPE and x.dim() == 2):
+            y = self._kernel(x)  # every row takes the kernel: the short way
+            return y if self.bias is None else y + self.bias
         if self.kernel_weight is not None or self.q4x32 is not None:
             x2 = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)
             if x.device.type == "cpu":
