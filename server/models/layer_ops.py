@@ -34,7 +34,7 @@ _SIGNATURES = {
     "rms_norm": [_P, _P, _P, _I, _I, _D, ctypes.c_int],
     "rope_store": [_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I, ctypes.c_int,
                    ctypes.c_int],
-    "paged_decode": [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _D, ctypes.c_int,
+    "paged_decode": [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _D, ctypes.c_int,
                      ctypes.c_int],
 }
 
@@ -133,10 +133,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         return None
     max_ctx = context_slots.shape[1]
     out = q.new_empty(b, hq * d)
-    scratch = torch.empty(b * hq * max_ctx, dtype=torch.float32)
     if lib.paged_decode(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                        context_slots.data_ptr(), lens.data_ptr(), out.data_ptr(),
-                        scratch.data_ptr(), b, hq, k_cache.shape[0], d, max_ctx,
+                        context_slots.data_ptr(), lens.data_ptr(), out.data_ptr(), b, hq,
+                        k_cache.shape[0], d, max_ctx,
                         k_cache.shape[1], scale, q.dtype == torch.bfloat16,
                         k_cache.dtype == torch.bfloat16):
         return None
