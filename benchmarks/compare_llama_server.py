@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -110,16 +111,18 @@ def weight_bytes(shape: str, tag: str, gguf: Path) -> int:
 
 
 def read_bandwidth() -> float:
-    """Bytes/s of summing a 512 MB array with torch's threads (best of 5)."""
+    """Bytes/s of summing a 512 MB array with torch's threads (the median of 7)."""
+    import statistics
+
     import torch
 
     x = torch.ones(128 << 20, dtype=torch.float32)
-    best = float("inf")
-    for _ in range(5):
+    times = []
+    for _ in range(7):
         t = time.perf_counter()
         x.sum()
-        best = min(best, time.perf_counter() - t)
-    return x.numel() * 4 / best
+        times.append(time.perf_counter() - t)
+    return x.numel() * 4 / statistics.median(times)
 
 
 def machine() -> str:
@@ -256,7 +259,8 @@ def write_results(md: str, run: dict, shape: str) -> None:
     head, rest = text.split(start, 1)
     _, tail = rest.split(end, 1)
     bandwidth = run["reports"][0]["bandwidth"] / 1e9
-    note = (f"\n`benchmarks/compare_llama_server.py {run['command']}`, {run['date']}, "
+    command = re.sub(r"--llama-server \S+", "--llama-server BIN", run["command"])
+    note = (f"\n`benchmarks/compare_llama_server.py {command}`, {run['date']}, "
             f"{run['machine']}, read bandwidth {bandwidth:.1f} GB/s:\n\n")
     readme.write_text(head + start + note + md + end + tail)
 
