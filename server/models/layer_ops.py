@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from server.quant import native
+import server.quant.native as native
 
 log = logging.getLogger("localserve")
 

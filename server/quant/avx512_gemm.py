@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from server.quant import native
+import server.quant.native as native
 
 log = logging.getLogger("localserve")
 
@@ -141,16 +141,21 @@ def _open():
     return lib
 
 
-def _self_check(lib) -> str | None:
-    from server.quant.int4 import dequantize_int4
+def _dequantize_int4(q, scale, zero, group: int) -> torch.Tensor:
+    """(q - 8) * scale + zero in fp32, [N, K] (int4.dequantize_int4's arithmetic)."""
+    n, k = q.shape
+    g = q.float().reshape(n, k // group, group) - 8.0
+    return (g * scale.float()[..., None] + zero.float()[..., None]).reshape(n, k)
 
+
+def _self_check(lib) -> str | None:
     g = torch.Generator().manual_seed(0)
     for n, k, group in ((96, 256, 32), (64, 384, 128)):
         q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
         scale = (torch.rand(n, k // group, generator=g) / 8).half()
         zero = (torch.randn(n, k // group, generator=g) / 4).half()
         layout = pack_int4(q, scale, zero, group)
-        w = dequantize_int4(q, scale, zero, group)  # fp32 [N, K]
+        w = _dequantize_int4(q, scale, zero, group)  # fp32 [N, K]
         unpacked = unpack_t(layout, group, torch.empty(k, n, dtype=torch.bfloat16), lib)
         if unpacked is None or not torch.equal(unpacked, w.to(torch.bfloat16).t()):
             return "unpack"

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+import server.quant.avx512_gemm as avx512_gemm
 import server.quant.native as native
-from server.quant import avx512_gemm
 from server.quant.rows import PACKED_TILE, RowSplit, kernel_rows_independent, rows_mm, tiled_rows
 
 SUPPORTED_GROUP_SIZES = (32, 64, 128, 256)  # what the tinygemm kernels accept

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from server.quant import avx512_gemm
+import server.quant.avx512_gemm as avx512_gemm
 from server.quant.rows import PACKED_TILE, RowSplit, kernel_rows_independent, rows_mm, tiled_rows
 
 
