@@ -25,8 +25,16 @@
 
 #define ROWS 6
 
-static inline __m512 dp(__m512 acc, int32_t xpair, __m512i w) {
-    return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(xpair), (__m512bh)w);
+/* Rows [0, r) of x, inputs (2p, 2p + 1), against two vectors of 16 outputs' weight pairs. */
+static inline void dp_rows(__m512 *a0, __m512 *a1, const uint16_t *x, int64_t k, int64_t p,
+                           __m512i w0, __m512i w1, const int r) {
+    for (int i = 0; i < r; i++) {
+        int32_t xp;
+        memcpy(&xp, x + i * k + 2 * p, sizeof xp);
+        __m512bh xv = (__m512bh)_mm512_set1_epi32(xp);
+        a0[i] = _mm512_dpbf16_ps(a0[i], xv, (__m512bh)w0);
+        a1[i] = _mm512_dpbf16_ps(a1[i], xv, (__m512bh)w1);
+    }
 }
 
 #define GROUP_HEAD 128  /* bytes of scales and zeros before a group's nibbles */
@@ -59,12 +67,7 @@ static inline void block(const uint16_t *x, int64_t k, const float *xsum, int64_
                 _mm256_loadu_si256((const __m256i *)(pk + (p - p0) * 32)));
             __m512i w0 = _mm512_permutexvar_epi16(_mm512_and_si512(w, low), table);
             __m512i w1 = _mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), table);
-            for (int i = 0; i < r; i++) {
-                int32_t xp;
-                memcpy(&xp, x + i * k + 2 * p, sizeof xp);
-                a0[i] = dp(a0[i], xp, w0);
-                a1[i] = dp(a1[i], xp, w1);
-            }
+            dp_rows(a0, a1, x, k, p, w0, w1, r);
         }
         const __m512 s0 = half16(head), s1 = half16(head + 32);
         const __m512 z0 = half16(head + 64), z1 = half16(head + 96);
@@ -177,13 +180,7 @@ static inline void block8(const uint16_t *x, int64_t k, const int8_t *blk, const
     __m512 a0[ROWS], a1[ROWS];
     for (int i = 0; i < r; i++) a0[i] = a1[i] = _mm512_setzero_ps();
     for (int64_t p = 0; p < k / 2; p++) {
-        __m512i w0 = int8_pairs(blk + p * 64), w1 = int8_pairs(blk + p * 64 + 32);
-        for (int i = 0; i < r; i++) {
-            int32_t xp;
-            memcpy(&xp, x + i * k + 2 * p, sizeof xp);
-            a0[i] = dp(a0[i], xp, w0);
-            a1[i] = dp(a1[i], xp, w1);
-        }
+        dp_rows(a0, a1, x, k, p, int8_pairs(blk + p * 64), int8_pairs(blk + p * 64 + 32), r);
     }
     const __m512 s0 = _mm512_loadu_ps(scale), s1 = _mm512_loadu_ps(scale + 16);
     for (int i = 0; i < r; i++) {
