@@ -71,10 +71,15 @@ def apply_quantization(model: nn.Module, schemes: dict[str, dict[str, Any]]) -> 
 
 
 def prepare_quantized(model: nn.Module, use_kernels: bool = True) -> None:
-    """Let each quantized module pick its kernel for its final device."""
+    """Let each quantized module pick its kernel for its final device. A tied embedding whose
+    LM head moved to avx512_gemm.c's layout then reads its rows from that layout: one copy."""
+    embeddings = {id(m.weight): m for m in model.modules() if isinstance(m, Int8Embedding)}
     for module in model.modules():
         if isinstance(module, Int4Linear | Int8Linear):
+            tied = embeddings.get(id(module.weight)) if isinstance(module, Int8Linear) else None
             module.prepare(use_kernels)
+            if tied is not None and module.q8 is not None:
+                tied.read_from(module.q8)
 
 
 def fuse_linears(mods: list[nn.Module]) -> nn.Module | None:

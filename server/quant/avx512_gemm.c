@@ -176,7 +176,7 @@ static inline __m512i int8_pairs(const int8_t *p) {
 }
 
 static inline void block8(const uint16_t *x, int64_t k, const int8_t *blk, const float *scale,
-                          uint16_t *y, int64_t n, const int r) {
+                          void *y, int64_t n, const int r, int out_fp32) {
     __m512 a0[ROWS], a1[ROWS];
     for (int i = 0; i < r; i++) a0[i] = a1[i] = _mm512_setzero_ps();
     for (int64_t p = 0; p < k / 2; p++) {
@@ -184,14 +184,20 @@ static inline void block8(const uint16_t *x, int64_t k, const int8_t *blk, const
     }
     const __m512 s0 = _mm512_loadu_ps(scale), s1 = _mm512_loadu_ps(scale + 16);
     for (int i = 0; i < r; i++) {
-        store_bf16(y + i * n, _mm512_mul_ps(a0[i], s0));
-        store_bf16(y + i * n + 16, _mm512_mul_ps(a1[i], s1));
+        __m512 v0 = _mm512_mul_ps(a0[i], s0), v1 = _mm512_mul_ps(a1[i], s1);
+        if (out_fp32) {
+            _mm512_storeu_ps((float *)y + i * n, v0);
+            _mm512_storeu_ps((float *)y + i * n + 16, v1);
+        } else {
+            store_bf16((uint16_t *)y + i * n, v0);
+            store_bf16((uint16_t *)y + i * n + 16, v1);
+        }
     }
 }
 
-/* x: bf16 [m, k]; scale: fp32 [n]; y: bf16 [m, n]. */
-int int8_gemm(const uint16_t *x, const int8_t *packed, const float *scale, uint16_t *y,
-              int64_t m, int64_t n, int64_t k) {
+/* x: bf16 [m, k]; scale: fp32 [n]; y: [m, n], bf16 or (out_fp32: logits) fp32. */
+int int8_gemm(const uint16_t *x, const int8_t *packed, const float *scale, void *y, int64_t m,
+              int64_t n, int64_t k, int out_fp32) {
     if (n % 32 || k % 2) return 1;
     int64_t blocks = n / 32;
     #pragma omp parallel for schedule(static) if (blocks >= 4)
@@ -200,13 +206,13 @@ int int8_gemm(const uint16_t *x, const int8_t *packed, const float *scale, uint1
         for (int64_t i = 0; i < m; i += ROWS) {
             int r = m - i < ROWS ? (int)(m - i) : ROWS;
             const uint16_t *xi = x + i * k;
-            uint16_t *yi = y + i * n + b * 32;
-            if (r == 6) block8(xi, k, blk, scale + b * 32, yi, n, 6);
-            else if (r == 5) block8(xi, k, blk, scale + b * 32, yi, n, 5);
-            else if (r == 4) block8(xi, k, blk, scale + b * 32, yi, n, 4);
-            else if (r == 3) block8(xi, k, blk, scale + b * 32, yi, n, 3);
-            else if (r == 2) block8(xi, k, blk, scale + b * 32, yi, n, 2);
-            else block8(xi, k, blk, scale + b * 32, yi, n, 1);
+            char *yi = (char *)y + (i * n + b * 32) * (out_fp32 ? 4 : 2);
+            if (r == 6) block8(xi, k, blk, scale + b * 32, yi, n, 6, out_fp32);
+            else if (r == 5) block8(xi, k, blk, scale + b * 32, yi, n, 5, out_fp32);
+            else if (r == 4) block8(xi, k, blk, scale + b * 32, yi, n, 4, out_fp32);
+            else if (r == 3) block8(xi, k, blk, scale + b * 32, yi, n, 3, out_fp32);
+            else if (r == 2) block8(xi, k, blk, scale + b * 32, yi, n, 2, out_fp32);
+            else block8(xi, k, blk, scale + b * 32, yi, n, 1, out_fp32);
         }
     }
     return 0;
@@ -227,7 +233,7 @@ int int4_unpack_q4x32(const void *packed, void *out, int64_t n, int64_t k, int64
 }
 
 int int8_gemm(const void *x, const void *packed, const void *scale, void *y, int64_t m,
-              int64_t n, int64_t k) {
+              int64_t n, int64_t k, int out_fp32) {
     return 1;
 }
 

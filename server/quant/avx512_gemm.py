@@ -33,6 +33,7 @@ BLOCK = 32  # outputs per block of the layout: a layer's out_features must be a 
 # row takes it.
 PROMPTS_UNPACKED = "amx_bf16" in native.cpu_flags()
 _P, _I = ctypes.c_void_p, ctypes.c_int64
+_DTYPES = (torch.bfloat16, torch.float32)
 
 _lock = threading.Lock()
 _state: list = []  # [the checked library or None], once per process
@@ -60,6 +61,15 @@ def pack_int8(q: torch.Tensor) -> torch.Tensor:
     n, k = q.shape
     return q.view(n // BLOCK, 2, 16, k // 2, 2).permute(0, 3, 1, 2, 4).reshape(
         n // BLOCK, k // 2, 2 * BLOCK).contiguous()
+
+
+def int8_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of the int8 weight [N, K] held in pack_int8's layout: int8 [..., K]."""
+    blocks, pairs = packed.shape[:2]
+    flat = ids.reshape(-1)
+    block, lane = flat // BLOCK, flat % BLOCK
+    rows = packed.view(blocks, pairs, 2, 16, 2)[block, :, lane // 16, lane % 16]  # [T, K/2, 2]
+    return rows.reshape(*ids.shape, 2 * pairs)
 
 
 def unpack_int8_into(packed: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
@@ -90,17 +100,18 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, group: int, lib=None) -> torch.T
     return y
 
 
-def gemm_int8(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
-              lib=None) -> torch.Tensor | None:
-    """x bf16 [M, K] @ the int8 layer (scale fp32 [N]) -> bf16 [M, N]; None if it declines."""
+def gemm_int8(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, lib=None,
+              out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor | None:
+    """x bf16 [M, K] @ the int8 layer (scale fp32 [N]) -> [M, N] in bf16 or fp32 (logits);
+    None if it declines."""
     lib = lib or checked()
     m, k = x.shape
     n = packed.shape[0] * BLOCK
     x = x.contiguous()
-    y = x.new_empty(m, n)
-    if (lib is None or packed.shape[1] * 2 != k
+    y = torch.empty(m, n, dtype=out_dtype)
+    if (lib is None or packed.shape[1] * 2 != k or out_dtype not in _DTYPES
             or lib.int8_gemm(x.data_ptr(), packed.data_ptr(), scale.data_ptr(), y.data_ptr(),
-                             m, n, k)):
+                             m, n, k, out_dtype == torch.float32)):
         return None
     return y
 
@@ -135,7 +146,7 @@ def _open():
     if lib is None or not lib.int4_gemm_available():
         return None
     lib.int4_gemm.restype = lib.int4_unpack_q4x32.restype = lib.int8_gemm.restype = ctypes.c_int
-    lib.int8_gemm.argtypes = [_P] * 4 + [_I] * 3
+    lib.int8_gemm.argtypes = [_P] * 4 + [_I] * 3 + [ctypes.c_int]
     lib.int4_gemm.argtypes = [_P] * 4 + [_I] * 4
     lib.int4_unpack_q4x32.argtypes = [_P] * 2 + [_I] * 5
     return lib

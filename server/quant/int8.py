@@ -74,6 +74,16 @@ class Int8Linear(nn.Module):
         w = dequantize_int8(self.weight, self.weight_scale).to(x.dtype)
         return F.linear(x, w, self.bias)
 
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """As an LM head: fp32 [N, out]. avx512_gemm.c hands them over unrounded (bf16 logits
+        are 0.06-0.125 apart at the real model's magnitudes: near ties became exact ties)."""
+        if self.q8 is not None and x.dim() == 2 and self.bias is None:
+            y = avx512_gemm.gemm_int8(x.to(torch.bfloat16), self.q8, self.q8_scale,
+                                      out_dtype=torch.float32)
+            if y is not None:
+                return y
+        return self(x).float()
+
     def _packed_mm(self, x2: torch.Tensor) -> torch.Tensor:
         if self.tiled:
             return tiled_rows(self._kernel, x2, PACKED_TILE)
@@ -119,9 +129,15 @@ class Int8Embedding(nn.Module):
         shape = (num_embeddings, embedding_dim)
         self.register_buffer("weight", torch.empty(shape, dtype=torch.int8))
         self.register_buffer("weight_scale", torch.empty(num_embeddings))
+        self.q8: torch.Tensor | None = None  # the tied LM head's avx512_gemm layout, if it has one
+
+    def read_from(self, q8: torch.Tensor) -> None:
+        """Look rows up in the LM head's avx512_gemm layout and drop the plain copy."""
+        self.q8, self.weight = q8, None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = self.weight[ids].to(self.weight_scale.dtype)  # [..., H]
+        rows = self.weight[ids] if self.q8 is None else avx512_gemm.int8_rows(self.q8, ids)
+        rows = rows.to(self.weight_scale.dtype)  # [..., H]
         return rows * self.weight_scale[ids].unsqueeze(-1)
 
     def as_linear(self) -> Int8Linear:

@@ -198,6 +198,34 @@ def test_int8_layer_on_avx512_gemm_rows_are_independent_and_close_to_the_referen
     assert (alone.float() - want).abs().max() < 0.01 * want.abs().max()
     flat = torch.empty(4096 * 576, dtype=torch.bfloat16)
     assert torch.equal(layer.unpack_into(flat), (q.bfloat16() * scale.bfloat16()[:, None]).t())
+    # As an LM head: fp32 logits, not rounded to bf16 (their error is the accumulation's only).
+    logits = layer.logits(x)
+    assert logits.dtype == torch.float32
+    assert torch.equal(logits.bfloat16(), alone)
+    err, rounded = (logits - want).abs().max(), (alone.float() - want).abs().max()
+    assert err < rounded / 4
+    assert all(torch.equal(layer.logits(x[i:i + 1])[0], logits[i]) for i in range(37))
+
+
+def test_a_tied_embedding_reads_its_heads_layout():
+    """With avx512_gemm.c the LM head gets its own layout; the tied embedding then looks its
+    rows up there (one copy of the table, not two) and gives the same vectors."""
+    from server.quant import avx512_gemm, prepare_quantized
+
+    if avx512_gemm.checked() is None:
+        pytest.skip("avx512_gemm.c needs AVX-512 BF16")
+    torch.manual_seed(6)
+    q, scale = quantize_int8(torch.randn(320, 64))
+    model = torch.nn.Module()
+    model.embed = Int8Embedding(320, 64)
+    model.embed.weight, model.embed.weight_scale = q, scale
+    model.head = model.embed.as_linear()
+    ids = torch.tensor([[0, 31, 32, 319], [5, 5, 100, 200]])
+    before = model.embed(ids)
+    prepare_quantized(model)
+    assert model.embed.weight is None and model.embed.q8 is model.head.q8
+    assert torch.equal(model.embed(ids), before)
+    assert torch.equal(before, q[ids].float() * scale[ids].unsqueeze(-1))
 
 
 def test_int4_gemm_rows_are_independent_and_close_to_the_reference():
