@@ -14,6 +14,7 @@ from server.quant.int4 import (
     unpack_int4,
 )
 from server.quant.int8 import Int8Embedding, Int8Linear, dequantize_int8, quantize_int8
+from server.quant.native import cpu_flags
 
 
 def test_pack_unpack_int4_round_trip():
@@ -109,6 +110,25 @@ def test_int4_kernel_matches_reference(rows):
     assert (got - ref).abs().max() < 0.02 * ref.abs().max()
 
 
+AVX512_BF16 = "avx512_bf16" in cpu_flags()
+needs_avx512_bf16 = pytest.mark.skipif(not AVX512_BF16,
+                                       reason="avx512_gemm.c is for CPUs with AVX-512 BF16")
+
+
+def test_avx512_gemm_serves_exactly_the_cpus_with_avx512_bf16():
+    """With a C compiler (the project's machines and CI have one) the kernels are built and pass
+    their check where the CPU has AVX-512 BF16, and stand aside elsewhere (AVX2: PyTorch's)."""
+    from server.quant import avx512_gemm
+
+    assert (avx512_gemm.checked() is not None) == AVX512_BF16
+    layer = Int4Linear(64, 32, 32)
+    q, scale, zero = quantize_int4(torch.randn(32, 64) * 0.05, 32)
+    layer.weight, layer.weight_scale, layer.weight_zero = pack_int4(q), scale, zero
+    layer.prepare(use_kernel=True)
+    assert (layer.q4x32 is not None) == AVX512_BF16
+    assert (layer.kernel_weight is not None) != AVX512_BF16
+
+
 @pytest.fixture(params=["q4x32", "tinygemm"])
 def int4_layout(request, monkeypatch):
     """Each CPU int4 layout: avx512_gemm.c's (where the machine has AVX-512 BF16) and PyTorch's
@@ -117,8 +137,8 @@ def int4_layout(request, monkeypatch):
 
     if request.param == "tinygemm":
         monkeypatch.setattr(avx512_gemm, "_state", [None])
-    elif avx512_gemm.checked() is None:
-        pytest.skip("avx512_gemm.c needs AVX-512 BF16")
+    elif not AVX512_BF16:
+        pytest.skip("avx512_gemm.c's layout is for CPUs with AVX-512 BF16")
     return request.param
 
 
@@ -156,13 +176,13 @@ def test_int4_rows_past_the_threshold_run_unpacked_bf16_gemm(rows, int4_layout, 
     assert (got.float() - packed.float()).abs().max() < 0.02 * packed.float().abs().max()
 
 
+@needs_avx512_bf16
 def test_int4_gemm_takes_every_row_where_prompts_are_not_unpacked(monkeypatch):
     """Without AMX, avx512_gemm.c serves prompt rows too: no unpacked copy, inside an engine step
     or outside, and each row the same as alone."""
     from server.quant import avx512_gemm, rows
 
-    if avx512_gemm.checked() is None:
-        pytest.skip("avx512_gemm.c needs AVX-512 BF16")
+    assert avx512_gemm.checked() is not None  # built and checked on this CPU
     monkeypatch.setattr(avx512_gemm, "PROMPTS_UNPACKED", False)
     q, scale, zero = quantize_int4(torch.randn(128, 64) * 0.05, 32)
     layer = Int4Linear(64, 128, 32)
@@ -176,14 +196,14 @@ def test_int4_gemm_takes_every_row_where_prompts_are_not_unpacked(monkeypatch):
     assert torch.equal(layer(x, split), alone)
 
 
+@needs_avx512_bf16
 def test_int8_layer_on_avx512_gemm_rows_are_independent_and_close_to_the_reference():
     """An int8 layer on avx512_gemm.c (an LM head's shape, scaled down): each row the same bits
     as alone, within bf16 rounding of the fp32 reference; its unpacked weight (prompt rows) the
     reference's bf16 weight exactly."""
     from server.quant import avx512_gemm
 
-    if avx512_gemm.checked() is None:
-        pytest.skip("avx512_gemm.c needs AVX-512 BF16")
+    assert avx512_gemm.checked() is not None  # built and checked on this CPU
     torch.manual_seed(5)
     q, scale = quantize_int8(torch.randn(4096, 576))
     layer = Int8Linear(576, 4096)
@@ -207,13 +227,13 @@ def test_int8_layer_on_avx512_gemm_rows_are_independent_and_close_to_the_referen
     assert all(torch.equal(layer.logits(x[i:i + 1])[0], logits[i]) for i in range(37))
 
 
+@needs_avx512_bf16
 def test_a_tied_embedding_reads_its_heads_layout():
     """With avx512_gemm.c the LM head gets its own layout; the tied embedding then looks its
     rows up there (one copy of the table, not two) and gives the same vectors."""
     from server.quant import avx512_gemm, prepare_quantized
 
-    if avx512_gemm.checked() is None:
-        pytest.skip("avx512_gemm.c needs AVX-512 BF16")
+    assert avx512_gemm.checked() is not None  # built and checked on this CPU
     torch.manual_seed(6)
     q, scale = quantize_int8(torch.randn(320, 64))
     model = torch.nn.Module()
@@ -228,13 +248,13 @@ def test_a_tied_embedding_reads_its_heads_layout():
     assert torch.equal(before, q[ids].float() * scale[ids].unsqueeze(-1))
 
 
+@needs_avx512_bf16
 def test_int4_gemm_rows_are_independent_and_close_to_the_reference():
     """avx512_gemm.c at every row count up to past its blocks of 4 rows, with the real model's
     group size and widths: each row the same bits as alone, within bf16 rounding of fp32."""
     from server.quant import avx512_gemm
 
-    if avx512_gemm.checked() is None:
-        pytest.skip("avx512_gemm.c needs AVX-512 BF16")
+    assert avx512_gemm.checked() is not None  # built and checked on this CPU
     torch.manual_seed(4)
     q, scale, zero = quantize_int4(torch.randn(1536, 576) * 0.05, 32)
     layout = avx512_gemm.pack_int4(q, scale, zero, 32)
