@@ -218,7 +218,7 @@ int int8_gemm(const uint16_t *x, const int8_t *packed, const float *scale, void 
     return 0;
 }
 
-int int4_gemm_available(void) { return 1; }
+int avx512_gemm_available(void) { return 1; }
 
 #else
 
@@ -237,6 +237,6 @@ int int8_gemm(const void *x, const void *packed, const void *scale, void *y, int
     return 1;
 }
 
-int int4_gemm_available(void) { return 0; }
+int avx512_gemm_available(void) { return 0; }
 
 #endif

@@ -143,7 +143,7 @@ def checked():
 
 def _open():
     lib = native.library(SOURCE)
-    if lib is None or not lib.int4_gemm_available():
+    if lib is None or not lib.avx512_gemm_available():
         return None
     lib.int4_gemm.restype = lib.int4_unpack_q4x32.restype = lib.int8_gemm.restype = ctypes.c_int
     lib.int8_gemm.argtypes = [_P] * 4 + [_I] * 3 + [ctypes.c_int]
