@@ -61,11 +61,7 @@ def _open_checked():
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = ctypes.c_int, argtypes
-    _state.append(lib)  # the checks call the functions through _lib()
-    try:
-        problem = _self_check()
-    finally:
-        _state.clear()
+    problem = _self_check(lib)
     if problem:
         log.warning("layer_ops.c failed its check on this machine (%s); using PyTorch", problem)
         return None
@@ -81,9 +77,11 @@ def _fits(*tensors: torch.Tensor) -> bool:
     return True
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
-    """weight * round(x / rms(x)) over the last dim, as RMSNorm computes it; None: not here."""
-    lib = _lib()
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             lib=None) -> torch.Tensor | None:
+    """weight * round(x / rms(x)) over the last dim, as RMSNorm computes it; None: not here.
+    (`lib`: the library under its load-time check; otherwise the checked one.)"""
+    lib = lib or _lib()
     h = x.shape[-1]
     if (lib is None or weight.dtype != x.dtype or x.dtype not in _DTYPES or h > MAX_HIDDEN
             or not x.is_contiguous() or x.device.type != "cpu"):
@@ -97,12 +95,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
 
 def rope_store(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
                cos_table: torch.Tensor, sin_table: torch.Tensor, positions: torch.Tensor,
-               slots: torch.Tensor, k_cache: torch.Tensor,
-               v_cache: torch.Tensor) -> torch.Tensor | None:
+               slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               lib=None) -> torch.Tensor | None:
     """From a fused q|k|v projection [T, (Hq + 2 Hkv) * D]: the rotated queries [T, Hq, D],
     the rotated keys and the values written to the caches at `slots`. None: not here (nothing
     written)."""
-    lib = _lib()
+    lib = lib or _lib()
     t = qkv.shape[0]
     if (lib is None or head_dim > MAX_DIM or head_dim % 2 or k_cache.dtype != v_cache.dtype
             or cos_table.dtype != torch.float32 or positions.dtype != torch.int64
@@ -121,11 +119,11 @@ def rope_store(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: i
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 context_slots: torch.Tensor, lens: torch.Tensor,
-                 scale: float) -> torch.Tensor | None:
+                 context_slots: torch.Tensor, lens: torch.Tensor, scale: float,
+                 lib=None) -> torch.Tensor | None:
     """q [B, Hq, D], one generated token per row, each attending to its first lens[b] positions
     of context_slots [B, max_ctx] in the paged caches -> [B, Hq * D]. None: not here."""
-    lib = _lib()
+    lib = lib or _lib()
     b, hq, d = q.shape
     if (lib is None or d > MAX_DIM or k_cache.dtype != v_cache.dtype
             or context_slots.dtype != torch.int64 or lens.dtype != torch.int64
@@ -142,7 +140,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return out
 
 
-def _self_check() -> str | None:
+def _self_check(lib) -> str | None:
     """None if every function matches PyTorch within rounding and gives each row the same bits
     alone and batched; else what failed."""
     g = torch.Generator().manual_seed(0)
@@ -150,20 +148,20 @@ def _self_check() -> str | None:
         tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
         x = torch.randn(9, 576, generator=g).to(dtype)
         w = (torch.rand(576, generator=g) + 0.5).to(dtype)
-        got = rms_norm(x, w, 1e-5)
+        got = rms_norm(x, w, 1e-5, lib)
         h = x.float()
         want = w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
         if got is None or not torch.allclose(got.float(), want.float(), rtol=tol, atol=tol):
             return f"rms_norm {dtype}"
-        if not torch.equal(got[3:4], rms_norm(x[3:4].contiguous(), w, 1e-5)):
+        if not torch.equal(got[3:4], rms_norm(x[3:4].contiguous(), w, 1e-5, lib)):
             return f"rms_norm rows {dtype}"
-        problem = _check_attention(dtype, tol, g)
+        problem = _check_attention(lib, dtype, tol, g)
         if problem:
             return problem
     return None
 
 
-def _check_attention(dtype: torch.dtype, tol: float, g: torch.Generator) -> str | None:
+def _check_attention(lib, dtype: torch.dtype, tol: float, g: torch.Generator) -> str | None:
     hq, hkv, d, slots, t = 6, 2, 64, 97, 5
     positions = torch.tensor([3, 0, 40, 7, 95])
     where = torch.randperm(slots - 1, generator=g)[:t]
@@ -173,7 +171,7 @@ def _check_attention(dtype: torch.dtype, tol: float, g: torch.Generator) -> str 
     qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g).to(dtype)
     caches = [torch.randn(hkv, slots, d, generator=g).to(dtype) for _ in range(2)]
     before = [c.clone() for c in caches]
-    q = rope_store(qkv, hq, hkv, d, cos, sin, positions, where, *caches)
+    q = rope_store(qkv, hq, hkv, d, cos, sin, positions, where, *caches, lib=lib)
     x = qkv.float().view(t, hq + 2 * hkv, d)
     c, s = cos[positions][:, None], sin[positions][:, None]
     rotated = x * c + torch.cat((-x[..., d // 2:], x[..., :d // 2]), dim=-1) * s
@@ -186,7 +184,7 @@ def _check_attention(dtype: torch.dtype, tol: float, g: torch.Generator) -> str 
     lens = torch.tensor([1, 50, 96, 17])
     ctx = torch.stack([torch.randperm(slots - 1, generator=g) for _ in lens])
     qd = torch.randn(len(lens), hq, d, generator=g).to(dtype)
-    got = paged_decode(qd, *caches, ctx, lens, d**-0.5)
+    got = paged_decode(qd, *caches, ctx, lens, d**-0.5, lib)
     if got is None:
         return f"paged_decode {dtype}"
     for i, n in enumerate(lens.tolist()):
@@ -194,7 +192,7 @@ def _check_attention(dtype: torch.dtype, tol: float, g: torch.Generator) -> str 
         p = torch.softmax(qd[i].float()[:, None] @ k.transpose(1, 2) * d**-0.5, dim=-1)
         want = (p @ v).reshape(-1)
         alone = paged_decode(qd[i:i + 1].contiguous(), *caches, ctx[i:i + 1].contiguous(),
-                             lens[i:i + 1].contiguous(), d**-0.5)
+                             lens[i:i + 1].contiguous(), d**-0.5, lib)
         if (not torch.allclose(got[i].float(), want, rtol=tol, atol=tol)
                 or alone is None or not torch.equal(alone[0], got[i])):
             return f"paged_decode {dtype} row {i}"

@@ -1,12 +1,13 @@
-"""The AVX-512 BF16 int4 kernel (avx512_gemm.c) for CPU int4 layers, where this machine has it.
+"""The AVX-512 BF16 kernels (avx512_gemm.c) for CPU int4 and int8 layers, where the machine
+has them.
 
-PyTorch's CPU int4 kernel streams one row's weights at about a third of the memory bandwidth
-and slows down almost linearly with more rows (benchmarks/kernels.py); avx512_gemm.c converts
-the nibbles once per call for every row and multiplies with vdpbf16ps. It has its own layout
-(`pack`: one stream, scales and zeros beside their nibbles), so a layer holds either its
-layout or PyTorch's, never both.
+PyTorch's CPU int4 and int8 kernels stream one row's weights at about half the memory bandwidth
+and slow down almost linearly with more rows (an int8 LM head of 49,152 x 576: 1.9 ms at one
+row, 24 ms at 32); avx512_gemm.c converts the weights to bf16 once per call for every row and
+multiplies with vdpbf16ps. It has its own layouts (`pack_int4`: one stream, scales and zeros
+beside their nibbles; `pack_int8`), so a layer holds either its layout or PyTorch's, never both.
 
-It is used only after `checked()` passed on this machine: the kernel against the fp32
+It is used only after `checked()` passed on this machine: each kernel against the fp32
 reference within rounding, its rows the same alone and batched, and its unpacking to bf16 (for
 prompt rows) bit for bit the reference dequantization. Otherwise (no compiler, no AVX-512 BF16,
 LOCALSERVE_NO_NATIVE=1) layers keep PyTorch's kernel.
