@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from server.api import batches, files, metrics
+from server.api import anthropic_messages, batches, files, metrics
 from server.api.auth import AuthMiddleware
 from server.api.batch_worker import BatchWorker
 from server.api.chat import create_chat_completion
@@ -80,7 +80,7 @@ class DrainMiddleware:
         if self.state.draining:
             error = APIError(503, "The server is shutting down.", code="server_shutting_down",
                              headers={"Connection": "close"})
-            await error.response()(scope, receive, send)
+            await error.response(scope["path"])(scope, receive, send)
             return
         self.state.num_http_inflight += 1
         try:
@@ -153,6 +153,8 @@ def create_app(settings: ServerSettings, state: ServerState | None = None) -> St
         Route("/v1/models/{model:path}", get_model, methods=["GET"]),
         Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
         Route("/v1/completions", create_completion, methods=["POST"]),
+        Route("/v1/messages", anthropic_messages.create_message, methods=["POST"]),
+        Route("/v1/messages/count_tokens", anthropic_messages.count_tokens, methods=["POST"]),
         Route("/v1/files", files.upload_file, methods=["POST"]),
         Route("/v1/files", files.list_files, methods=["GET"]),
         Route("/v1/files/{file_id}", files.get_file, methods=["GET"]),

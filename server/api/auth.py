@@ -1,4 +1,5 @@
-"""Bearer-key auth for /v1/* and /metrics (/health stays open); the key names the tenant."""
+"""Key auth for /v1/* and /metrics (/health stays open); the key names the tenant. The key
+comes as `Authorization: Bearer KEY` (OpenAI's clients) or `x-api-key: KEY` (Anthropic's)."""
 
 from __future__ import annotations
 
@@ -26,21 +27,25 @@ class AuthMiddleware:
         path = scope.get("path", "")
         if scope["type"] == "http" and self.api_keys and (path.startswith("/v1")
                                                           or path == "/metrics"):
-            key = self._key(Headers(scope=scope).get("authorization"))
+            headers = Headers(scope=scope)
+            key = self._key(headers.get("authorization"), headers.get("x-api-key"))
             if key is None:
                 error = APIError(401, "Incorrect API key provided. Send it as "
-                                 "'Authorization: Bearer KEY'.", code="invalid_api_key",
-                                 headers={"WWW-Authenticate": "Bearer"})
-                await error.response()(scope, receive, send)
+                                 "'Authorization: Bearer KEY' or 'x-api-key: KEY'.",
+                                 code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                await error.response(path)(scope, receive, send)
                 return
             scope["localserve.tenant"] = tenant_of(key)
         await self.app(scope, receive, send)
 
-    def _key(self, header: str | None) -> str | None:
-        scheme, _, token = (header or "").partition(" ")
-        if scheme.lower() != "bearer":
+    def _key(self, authorization: str | None, x_api_key: str | None) -> str | None:
+        scheme, _, token = (authorization or "").partition(" ")
+        if scheme.lower() == "bearer":
+            given = token.strip().encode()
+        elif x_api_key is not None:
+            given = x_api_key.strip().encode()
+        else:
             return None
-        given = token.strip().encode()
         # Compare against every key in constant time so timing tells nothing.
         match = None
         for key in self.api_keys:

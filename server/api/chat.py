@@ -8,32 +8,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from dataclasses import replace
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
 
-from server.api.errors import invalid
 from server.api.protocol import ChatRequest, parse_chat
-from server.api.serving import (
-    Generation,
-    TokenText,
-    answer_for_batch,
-    new_id,
-    off_loop,
-    respond,
-    stream_engine,
-    with_max_tokens,
-)
+from server.api.serving import Generation, TokenText, answer_for_batch, respond
 from server.api.state import ServerState
-from server.api.structured import compile_grammar, schema_grammar
 from server.api.tool_calls import Parsed, ToolCallParser, openai_calls, openai_deltas
-from server.api.tools import tool_grammar, tool_messages
+from server.api.turn import Turn, finish_with_calls, start_turn
 from server.api.usage import TokenCount
 from server.engine.async_engine import CompletionChunk
-from server.engine.grammar import lark_grammar
-from server.models.tokenizer import chat_prompt_ids
 
 SYSTEM_FINGERPRINT = "localserve"
 
@@ -49,37 +35,9 @@ async def chat_answer(state: ServerState, body: dict[str, Any], salt: str, prior
 
 
 async def _start(state: ServerState, req: ChatRequest, salt: str, priority: int) -> Generation:
-    template = getattr(state.tokenizer, "chat_template", None) or ""
-    messages, tools = tool_messages(req.messages, req.tool_use, template)
-    prompt_ids = await off_loop(_prompt_ids, state.tokenizer, messages, tools)
-    params = with_max_tokens(state, req.params, req.max_tokens, len(prompt_ids), "messages")
-    grammar, param = _grammar_text(req)
-    if grammar is not None:
-        params = replace(params, grammar=await compile_grammar(state, grammar, param))
-    rid = new_id("chatcmpl")
-    run = _Run(state, req, rid, len(prompt_ids))
-    chunks = stream_engine(state, prompt_ids, params, rid, salt, priority)
-    return Generation(lambda: run.collect(chunks), lambda: run.stream(chunks))
-
-
-def _grammar_text(req: ChatRequest) -> tuple[str | None, str]:
-    """The grammar the answer follows (llguidance's text) and the field it comes from."""
-    if req.tool_use is not None and req.tool_use.is_active:
-        return lark_grammar(tool_grammar(req.tool_use, req.output_schema)), "tools"
-    if req.output_schema is not None:
-        return schema_grammar(req.output_schema, "response_format"), "response_format"
-    return None, ""
-
-
-def _prompt_ids(tokenizer: Any, messages: list[dict[str, Any]], tools) -> list[int]:
-    try:
-        return chat_prompt_ids(tokenizer, messages, tools)
-    except Exception as e:  # noqa: BLE001 - a template that refuses these messages
-        from jinja2 import TemplateError
-
-        if isinstance(e, TemplateError):
-            raise invalid("messages", f"The chat template refused these messages: {e}") from None
-        raise
+    turn = await start_turn(state, req, salt, priority)
+    run = _Run(state, req, turn)
+    return Generation(lambda: run.collect(turn.chunks), lambda: run.stream(turn.chunks))
 
 
 def _logprobs(token_text: TokenText, chunk: CompletionChunk) -> dict[str, Any] | None:
@@ -99,12 +57,12 @@ def _logprobs(token_text: TokenText, chunk: CompletionChunk) -> dict[str, Any] |
 class _Run:
     """One chat request: turns engine chunks into a `chat.completion` or its chunk events."""
 
-    def __init__(self, state: ServerState, req: ChatRequest, rid: str, num_prompt: int) -> None:
-        self.state, self.req, self.rid = state, req, rid
-        self.count = TokenCount(num_prompt)
+    def __init__(self, state: ServerState, req: ChatRequest, turn: Turn) -> None:
+        self.state, self.req, self.rid = state, req, turn.request_id
+        self.count = TokenCount(turn.num_prompt_tokens)
         self.token_text = TokenText(state.tokenizer)
         self.created = int(time.time())
-        self.calls_tools = req.tool_use is not None and req.tool_use.is_active
+        self.calls_tools = turn.calls_tools
 
     def _object(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.rid, "object": kind, "created": self.created,
@@ -135,7 +93,7 @@ class _Run:
                 message["content"] = content or (None if parser.calls else "")
                 if parser.calls:
                     message["tool_calls"] = openai_calls(parser.calls)
-                    finish[i] = _finish(finish[i], parser)
+                    finish[i] = finish_with_calls(finish[i], parser)
             choices.append({
                 "index": i, "message": message,
                 "logprobs": {"content": logprobs[i], "refusal": None} if with_logprobs else None,
@@ -167,7 +125,7 @@ class _Run:
                 if finish is not None:
                     rest = parser.finish()
                     parsed = Parsed(parsed.content + rest.content, parsed.calls + rest.calls)
-                    finish = _finish(finish, parser)
+                    finish = finish_with_calls(finish, parser)
                 delta = _delta(parsed, lp is not None)
             if delta is not None:
                 yield event(chunk.index, delta, logprobs=lp)
@@ -175,11 +133,6 @@ class _Run:
                 yield event(chunk.index, {}, finish)
         if self.req.include_usage:
             yield self._object("chat.completion.chunk", []) | {"usage": self.count.usage()}
-
-
-def _finish(reason: str | None, parser: ToolCallParser) -> str | None:
-    """A choice that ended by itself after calling tools finished with "tool_calls"."""
-    return "tool_calls" if reason == "stop" and parser.calls else reason
 
 
 def _delta(parsed: Parsed, has_logprobs: bool) -> dict[str, Any] | None:

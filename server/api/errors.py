@@ -1,7 +1,9 @@
-"""One error shape for every failure, OpenAI's: {"error": {message, type, param, code}}.
+"""One error shape for every failure, OpenAI's: {"error": {message, type, param, code}};
+under /v1/messages, Anthropic's: {"type": "error", "error": {type, message}}.
 
 Handlers raise APIError; the exception handlers below turn it (and Starlette's own HTTP
-errors, and anything unexpected) into that body. Nothing a client sends may end as a 500.
+errors, and anything unexpected) into the body of the route's API. Nothing a client sends may
+end as a 500.
 """
 
 from __future__ import annotations
@@ -25,6 +27,25 @@ _TYPES = {
     429: "rate_limit_error",
     503: "server_error",
 }
+
+
+# Anthropic's error types by status (its docs' list; 503 is its "overloaded").
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    409: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
+
+def speaks_anthropic(path: str) -> bool:
+    """Routes whose clients are Anthropic SDKs (errors in Anthropic's envelope)."""
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
 
 
 class APIError(Exception):
@@ -52,8 +73,16 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def anthropic_body(self) -> dict:
+        kind = _ANTHROPIC_TYPES.get(self.status, "api_error")
+        message = self.message if self.param is None or self.param in self.message else \
+            f"{self.param}: {self.message}"
+        return {"type": "error", "error": {"type": kind, "message": message}}
+
+    def response(self, path: str = "") -> JSONResponse:
+        """The error as the API of `path` writes it."""
+        body = self.anthropic_body() if speaks_anthropic(path) else self.body()
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
 def invalid(param: str | None, message: str, code: str | None = None) -> APIError:
@@ -73,7 +102,7 @@ def model_not_found(name: str) -> APIError:
 
 async def api_error_handler(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, APIError)
-    return exc.response()
+    return exc.response(request.url.path)
 
 
 async def http_error_handler(request: Request, exc: Exception) -> JSONResponse:
@@ -82,10 +111,10 @@ async def http_error_handler(request: Request, exc: Exception) -> JSONResponse:
     message = {404: f"Unknown route: {request.method} {request.url.path}",
                405: f"Method {request.method} not allowed on {request.url.path}"}.get(
         status, str(exc.detail))
-    return APIError(status, message, headers=exc.headers).response()
+    return APIError(status, message, headers=exc.headers).response(request.url.path)
 
 
 async def unexpected_error_handler(request: Request, exc: Exception) -> JSONResponse:
     log.exception("unexpected error on %s %s", request.method, request.url.path)
     return APIError(500, f"Internal server error: {type(exc).__name__}: {exc}",
-                    type="server_error").response()
+                    type="server_error").response(request.url.path)

@@ -93,10 +93,11 @@ class Fields:
         if v not in allowed and not (isinstance(v, list | dict) and not v and None in allowed):
             raise unsupported(name, what)
 
-    def check_unknown(self) -> None:
+    def check_unknown(self, message: str = "Unrecognized request argument supplied: {}"
+                      ) -> None:
         for name in self.body:
             if name not in self.seen:
-                raise invalid(name, f"Unrecognized request argument supplied: {name}")
+                raise invalid(name, message.format(name))
 
 
 def _check_range(name: str, v: float, lo: float | None, hi: float | None) -> None:

@@ -40,10 +40,10 @@ class Generation:
 Starter = Callable[[ServerState, Any, str, int], Awaitable[Generation]]
 
 
-async def respond(request: Request, parse: Callable[[dict, int], Any], start: Starter
-                  ) -> Response:
-    """What the two generation endpoints do: parse, take a place in the queue (or 429),
-    start, then answer whole (aborted if the client leaves) or stream."""
+async def respond(request: Request, parse: Callable[[dict, int], Any], start: Starter,
+                  dialect: str = "chat") -> Response:
+    """What the generation endpoints do: parse, take a place in the queue (or 429), start,
+    then answer whole (aborted if the client leaves) or stream (events in `dialect`)."""
     state: ServerState = request.app.state.server
     body = await read_json(request, state.settings.max_body_bytes)
     state.ready_engine()
@@ -55,7 +55,7 @@ async def respond(request: Request, parse: Callable[[dict, int], Any], start: St
         generation = await start(state, req, tenant(request), PRIORITY_INTERACTIVE)
         if req.stream:
             handed_to_stream = True
-            return sse_response(generation.stream(), state.release)
+            return sse_response(generation.stream(), state.release, dialect)
         return JSONResponse(await until_disconnect(request, generation.collect()))
     finally:
         if not handed_to_stream:

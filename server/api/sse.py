@@ -1,4 +1,10 @@
-"""Server-sent events: JSON chunks, an error chunk if something fails mid-stream, `[DONE]`."""
+"""Server-sent events: JSON chunks, an error event if something fails mid-stream, and the end.
+
+Three dialects: chat and completions send `data:` lines and end with `[DONE]` (OpenAI's
+chunks); the Responses and Anthropic Messages APIs name each event by its `type`
+(`event: response.output_text.delta`) and send no `[DONE]`, and write a failure as their own
+error event.
+"""
 
 from __future__ import annotations
 
@@ -10,26 +16,43 @@ from sse_starlette import EventSourceResponse
 
 from server.api.errors import APIError, log
 
+DIALECTS = ("chat", "responses", "anthropic")
 
-def sse_response(chunks: AsyncIterator[dict[str, Any]], on_close: Callable[[], None]
-                 ) -> EventSourceResponse:
-    """Stream `chunks` as `data:` events. Closing the generator (the client left) aborts the
-    engine request inside it; `on_close` runs once whatever happens."""
+
+def sse_response(chunks: AsyncIterator[dict[str, Any]], on_close: Callable[[], None],
+                 dialect: str = "chat") -> EventSourceResponse:
+    """Stream `chunks` as events. Closing the generator (the client left) aborts the engine
+    request inside it; `on_close` runs once whatever happens."""
+    assert dialect in DIALECTS
+    named = dialect != "chat"
+
+    def event(chunk: dict[str, Any]) -> dict[str, str]:
+        data = {"data": json.dumps(chunk, ensure_ascii=False)}
+        return {"event": chunk["type"], **data} if named else data
 
     async def events() -> AsyncIterator[dict[str, str]]:
         try:
             async for chunk in chunks:
-                yield {"data": json.dumps(chunk, ensure_ascii=False)}
-        except APIError as e:
-            yield {"data": json.dumps(e.body(), ensure_ascii=False)}
+                yield event(chunk)
         except Exception as e:  # noqa: BLE001 - headers are sent: report in-band
-            log.exception("stream failed")
-            body = APIError(500, f"Internal server error: {type(e).__name__}: {e}").body()
-            yield {"data": json.dumps(body)}
+            if not isinstance(e, APIError):
+                log.exception("stream failed")
+                e = APIError(500, f"Internal server error: {type(e).__name__}: {e}")
+            yield event(_error_event(e, dialect))
         finally:
             on_close()
             await chunks.aclose()  # type: ignore[attr-defined]
-        yield {"data": "[DONE]"}
+        if not named:
+            yield {"data": "[DONE]"}
 
     return EventSourceResponse(events(), sep="\n", ping=15,
                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _error_event(error: APIError, dialect: str) -> dict[str, Any]:
+    if dialect == "anthropic":
+        return error.anthropic_body()
+    if dialect == "responses":
+        return {"type": "error", "code": error.code or error.type, "message": error.message,
+                "param": error.param}
+    return error.body()

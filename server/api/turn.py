@@ -1,0 +1,113 @@
+"""One assistant turn from a chat-shaped request: what /v1/chat/completions, /v1/responses and
+/v1/messages share. Each protocol parses its body into a ChatRequest (messages in the chat
+form, tools, a response schema), starts the turn here, and writes the pieces in its own shape.
+
+Starting a turn renders the messages and tools through the chat template (off the event loop),
+fills in max_tokens, compiles the grammar that tools or a schema ask for, and opens the engine
+stream. `pieces` splits one choice's text into content and tool-call deltas as it streams.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from server.api.errors import invalid
+from server.api.protocol import ChatRequest
+from server.api.serving import new_id, off_loop, stream_engine, with_max_tokens
+from server.api.state import ServerState
+from server.api.structured import compile_grammar, schema_grammar
+from server.api.tool_calls import CallDelta, ToolCallParser
+from server.api.tools import tool_grammar, tool_messages
+from server.engine.async_engine import CompletionChunk
+from server.engine.grammar import lark_grammar
+from server.models.tokenizer import chat_prompt_ids
+
+
+@dataclass(slots=True)
+class Turn:
+    """A started turn: its id, its prompt's length and the engine's chunks."""
+
+    request_id: str
+    num_prompt_tokens: int
+    chunks: AsyncIterator[CompletionChunk]
+    calls_tools: bool  # tools are offered: the text is parsed for calls
+
+
+@dataclass(slots=True)
+class Piece:
+    """What one engine chunk of choice 0 adds: content, call pieces, and the end if it ended.
+    `finish_reason` is "tool_calls" when a turn that called tools ended by itself."""
+
+    chunk: CompletionChunk
+    content: str = ""
+    calls: list[CallDelta] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+async def start_turn(state: ServerState, req: ChatRequest, salt: str, priority: int,
+                     id_prefix: str = "chatcmpl", param: str = "messages",
+                     schema_param: str = "response_format") -> Turn:
+    """Render, size, constrain and start the request; 400s name `param` (the messages field
+    of the protocol) or `schema_param` (where its output schema came from)."""
+    template = getattr(state.tokenizer, "chat_template", None) or ""
+    messages, tools = tool_messages(req.messages, req.tool_use, template)
+    prompt_ids = await off_loop(_prompt_ids, state.tokenizer, messages, tools, param)
+    params = with_max_tokens(state, req.params, req.max_tokens, len(prompt_ids), param)
+    grammar, where = _grammar_text(req, schema_param)
+    if grammar is not None:
+        params = replace(params, grammar=await compile_grammar(state, grammar, where))
+    rid = new_id(id_prefix)
+    chunks = stream_engine(state, prompt_ids, params, rid, salt, priority)
+    calls_tools = req.tool_use is not None and req.tool_use.is_active
+    return Turn(rid, len(prompt_ids), chunks, calls_tools)
+
+
+async def count_prompt_tokens(state: ServerState, req: ChatRequest, param: str) -> int:
+    """The prompt tokens the request would take, without running it."""
+    template = getattr(state.tokenizer, "chat_template", None) or ""
+    messages, tools = tool_messages(req.messages, req.tool_use, template)
+    return len(await off_loop(_prompt_ids, state.tokenizer, messages, tools, param))
+
+
+async def pieces(turn: Turn) -> AsyncIterator[Piece]:
+    """Choice 0's chunks as content and call pieces (protocols that answer one choice)."""
+    parser = ToolCallParser() if turn.calls_tools else None
+    async for chunk in turn.chunks:
+        if parser is None:
+            yield Piece(chunk, chunk.text, [], chunk.finish_reason)
+            continue
+        parsed = parser.feed(chunk.text)
+        content, calls, finish = parsed.content, parsed.calls, chunk.finish_reason
+        if finish is not None:
+            rest = parser.finish()
+            content, calls = content + rest.content, calls + rest.calls
+            finish = finish_with_calls(finish, parser)
+        yield Piece(chunk, content, calls, finish)
+
+
+def finish_with_calls(reason: str | None, parser: ToolCallParser) -> str | None:
+    """A choice that ended by itself after calling tools finished with "tool_calls"."""
+    return "tool_calls" if reason == "stop" and parser.calls else reason
+
+
+def _grammar_text(req: ChatRequest, schema_param: str) -> tuple[str | None, str]:
+    """The grammar the answer follows (llguidance's text) and the field it comes from."""
+    if req.tool_use is not None and req.tool_use.is_active:
+        return lark_grammar(tool_grammar(req.tool_use, req.output_schema)), "tools"
+    if req.output_schema is not None:
+        return schema_grammar(req.output_schema, schema_param), schema_param
+    return None, ""
+
+
+def _prompt_ids(tokenizer: Any, messages: list[dict[str, Any]], tools, param: str
+                ) -> list[int]:
+    try:
+        return chat_prompt_ids(tokenizer, messages, tools)
+    except Exception as e:  # noqa: BLE001 - a template that refuses these messages
+        from jinja2 import TemplateError
+
+        if isinstance(e, TemplateError):
+            raise invalid(param, f"The chat template refused these messages: {e}") from None
+        raise

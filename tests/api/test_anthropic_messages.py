@@ -1,0 +1,182 @@
+"""Anthropic's Messages API through the official anthropic SDK against a real server (the
+tiny model): create, stream, system, stop sequences, count_tokens, a forced tool, errors in
+Anthropic's envelope, and the x-api-key header."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import pytest
+
+from tests.api.conftest import API_KEY, MODEL
+
+WEATHER = {"name": "get_weather", "description": "The weather in a city.",
+           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}},
+                            "required": ["city"]}}
+GREEDY = {"temperature": 0.0}
+
+
+@pytest.fixture(scope="module")
+def anthropic_client(server):
+    from anthropic import Anthropic
+
+    with Anthropic(base_url=server.url, api_key=API_KEY, max_retries=0, timeout=60) as c:
+        yield c
+
+
+def test_create_answers_a_message_with_usage(anthropic_client):
+    m = anthropic_client.messages.create(
+        model=MODEL, max_tokens=12, messages=[{"role": "user", "content": "Hello there"}],
+        extra_body=GREEDY)
+    assert m.type == "message" and m.role == "assistant" and m.model == MODEL
+    assert m.id.startswith("msg")
+    assert [b.type for b in m.content] == ["text"]
+    assert m.stop_reason in ("end_turn", "max_tokens")
+    assert 0 < m.usage.output_tokens <= 12
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens > 0
+
+
+def test_stream_events_add_up_to_the_created_message(anthropic_client):
+    kwargs = dict(model=MODEL, max_tokens=16, system="You are terse.",
+                  messages=[{"role": "user", "content": "Tell me about the sea"}],
+                  extra_body=GREEDY)
+    whole = anthropic_client.messages.create(**kwargs)
+    with anthropic_client.messages.stream(**kwargs) as stream:
+        events = [e.type for e in stream]
+        final = stream.get_final_message()
+    assert events[0] == "message_start" and events[-1] == "message_stop"
+    assert "content_block_start" in events and "message_delta" in events
+    assert final.content[0].text == whole.content[0].text
+    assert final.stop_reason == whole.stop_reason
+    assert final.usage.output_tokens == whole.usage.output_tokens
+
+
+def test_system_is_part_of_the_prompt(anthropic_client):
+    messages = [{"role": "user", "content": "Hi"}]
+    plain = anthropic_client.messages.count_tokens(model=MODEL, messages=messages)
+    with_system = anthropic_client.messages.count_tokens(
+        model=MODEL, messages=messages, system="You answer in one word, always.")
+    blocks = anthropic_client.messages.count_tokens(
+        model=MODEL, messages=messages,
+        system=[{"type": "text", "text": "You answer in one word, always."}])
+    # The tiny tokenizer spells "You answer in one word, always." in bytes and 8 merges:
+    # the system turn adds its text plus the template's role markers.
+    assert with_system.input_tokens > plain.input_tokens
+    assert blocks.input_tokens == with_system.input_tokens
+
+
+def test_count_tokens_equals_the_prompt_a_message_uses(anthropic_client):
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Count these words"}])
+    counted = anthropic_client.messages.count_tokens(**kwargs).input_tokens
+    used = anthropic_client.messages.create(max_tokens=1, **kwargs).usage
+    assert counted == used.input_tokens + used.cache_read_input_tokens
+
+
+def test_a_forced_tool_is_used_with_input_following_its_schema(anthropic_client):
+    for stream in (False, True):
+        kwargs = dict(model=MODEL, max_tokens=60, tools=[WEATHER],
+                      tool_choice={"type": "tool", "name": "get_weather"},
+                      messages=[{"role": "user", "content": "Weather in Paris?"}],
+                      extra_body=GREEDY)
+        if stream:
+            with anthropic_client.messages.stream(**kwargs) as s:
+                m = s.get_final_message()
+        else:
+            m = anthropic_client.messages.create(**kwargs)
+        uses = [b for b in m.content if b.type == "tool_use"]
+        assert uses, m.content
+        assert uses[0].name == "get_weather" and uses[0].id.startswith("toolu_")
+        if m.stop_reason == "tool_use":  # the call closed within max_tokens
+            jsonschema.validate(uses[0].input, WEATHER["input_schema"])
+
+
+def test_tool_results_go_back_into_the_conversation(anthropic_client):
+    history = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": [
+            {"type": "text", "text": "Let me look."},
+            {"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+             "input": {"city": "Paris"}}]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_1", "content": "Sunny, 21 C"}]},
+    ]
+    short = anthropic_client.messages.count_tokens(model=MODEL, messages=history[:1],
+                                                   tools=[WEATHER])
+    full = anthropic_client.messages.count_tokens(model=MODEL, messages=history,
+                                                  tools=[WEATHER])
+    assert full.input_tokens > short.input_tokens
+    m = anthropic_client.messages.create(model=MODEL, max_tokens=4, messages=history,
+                                         tools=[WEATHER], extra_body=GREEDY)
+    assert m.usage.output_tokens >= 1
+
+
+def test_a_stop_sequence_ends_the_message_and_is_named(anthropic_client):
+    base = anthropic_client.messages.create(
+        model=MODEL, max_tokens=24, messages=[{"role": "user", "content": "Go on"}],
+        extra_body=GREEDY)
+    text = base.content[0].text
+    stop = next((text[i:i + 2] for i in range(2, len(text) - 2) if text[i:i + 2].strip()),
+                None)
+    if stop is None:
+        pytest.fail(f"the greedy answer {text!r} has no two-character piece to stop at")
+    m = anthropic_client.messages.create(
+        model=MODEL, max_tokens=24, messages=[{"role": "user", "content": "Go on"}],
+        stop_sequences=[stop], extra_body=GREEDY)
+    assert m.stop_reason == "stop_sequence" and m.stop_sequence == stop
+    assert m.content[0].text == text[:text.index(stop)]
+
+
+def test_errors_are_in_anthropics_envelope(anthropic_client, server):
+    import anthropic
+
+    with pytest.raises(anthropic.BadRequestError) as e:
+        anthropic_client.messages.create(model=MODEL, max_tokens=8, messages=[])
+    assert e.value.body["type"] == "error"
+    assert e.value.body["error"]["type"] == "invalid_request_error"
+    assert "messages" in e.value.body["error"]["message"]
+    r = httpx.post(f"{server.url}/v1/messages", headers={"x-api-key": API_KEY},
+                   json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400
+    assert r.json() == {"type": "error", "error": {
+        "type": "invalid_request_error", "message": "max_tokens: Field required"}}
+    r = httpx.post(f"{server.url}/v1/messages", headers={"x-api-key": API_KEY},
+                   json={"model": MODEL, "max_tokens": 5, "bogus": 1,
+                         "messages": [{"role": "user", "content": "hi"}]})
+    assert r.json()["error"]["message"] == "bogus: Extra inputs are not permitted"
+    with pytest.raises(anthropic.NotFoundError) as e:
+        anthropic_client.messages.create(model="claude-nonexistent", max_tokens=8,
+                                         messages=[{"role": "user", "content": "hi"}])
+    assert e.value.body["error"]["type"] == "not_found_error"
+
+
+def test_the_key_works_as_x_api_key_and_is_required(server):
+    from anthropic import Anthropic, AuthenticationError
+
+    with Anthropic(base_url=server.url, api_key="sk-wrong", max_retries=0) as bad:
+        with pytest.raises(AuthenticationError) as e:
+            bad.messages.create(model=MODEL, max_tokens=4,
+                                messages=[{"role": "user", "content": "hi"}])
+    assert e.value.body["error"]["type"] == "authentication_error"
+    body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    r = httpx.post(f"{server.url}/v1/messages", headers={"x-api-key": API_KEY}, json=body)
+    assert r.status_code == 200 and r.json()["type"] == "message"
+    r = httpx.post(f"{server.url}/v1/messages",
+                   headers={"Authorization": f"Bearer {API_KEY}"}, json=body)
+    assert r.status_code == 200
+
+
+def test_raw_stream_is_anthropics_event_sequence(server):
+    body = {"model": MODEL, "max_tokens": 6, "stream": True, "temperature": 0,
+            "messages": [{"role": "user", "content": "hi"}]}
+    with httpx.stream("POST", f"{server.url}/v1/messages", json=body,
+                      headers={"x-api-key": API_KEY}) as r:
+        lines = [line for line in r.iter_lines() if line]
+    names = [line.removeprefix("event: ") for line in lines if line.startswith("event: ")]
+    datas = [json.loads(line.removeprefix("data: ")) for line in lines
+             if line.startswith("data: ")]
+    assert names[0] == "message_start" and names[-1] == "message_stop"
+    assert names[-2] == "message_delta" and names[-3] == "content_block_stop"
+    assert [d["type"] for d in datas] == names
+    assert "[DONE]" not in "".join(lines)
