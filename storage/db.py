@@ -21,7 +21,7 @@ import sqlite_utils
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 2  # 2: batches.output_expires_after
+SCHEMA_VERSION = 3  # 2: batches.output_expires_after; 3: responses
 
 
 class DatabaseBusyError(Exception):
@@ -129,4 +129,8 @@ class Database:
                 "day": str, "tenant": str, "kind": str, "model": str, "requests": int,
                 "prompt_tokens": int, "completion_tokens": int, "cached_tokens": int,
             }, pk=("day", "tenant", "kind", "model"), if_not_exists=True)
+            db["responses"].create({
+                "id": str, "tenant": str, "created_at": int, "response": str,
+                "conversation": str,
+            }, pk="id", if_not_exists=True)
             db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")

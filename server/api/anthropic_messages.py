@@ -7,6 +7,7 @@ request, `cache_read_input_tokens` those served from the prefix cache (their sum
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -37,7 +38,8 @@ async def count_tokens(request: Request) -> Response:
 
 
 async def _start(state: ServerState, req: ChatRequest, salt: str, priority: int) -> Generation:
-    turn = await start_turn(state, req, salt, priority, "msg", "messages", "output_config")
+    turn = await start_turn(state, req, salt, priority, f"msg_{uuid.uuid4().hex}", "messages",
+                            "output_config")
     run = _Run(state, turn)
     return Generation(run.collect, run.stream)
 

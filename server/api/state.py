@@ -21,6 +21,7 @@ from storage.batches import BatchStore, add_usage
 from storage.db import Database
 from storage.files import FileStore
 from storage.models import home_dir
+from storage.responses import ResponseStore
 
 
 class Wakeable(Protocol):
@@ -79,6 +80,7 @@ class ServerState:
         self.db = Database(home / "localserve.db")
         self.files = FileStore(self.db, home / "files")
         self.batches = BatchStore(self.db, self.files)
+        self.responses = ResponseStore(self.db)
         self.worker: Wakeable | None = None  # the BatchWorker, once the model is loaded
         self.grammars: GrammarCompiler | None = None  # once the model is loaded
         # Grammars compile here: never on the event loop, never in the engine's thread, and

@@ -20,25 +20,29 @@ NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for schema and func
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
 
-def parse_response_format(v: Any) -> dict[str, Any] | None:
-    """`response_format`: None for text, else the JSON schema the answer follows
+def parse_response_format(v: Any, param: str = "response_format", flat: bool = False
+                          ) -> dict[str, Any] | None:
+    """`response_format` (or the Responses API's `text.format`: `param`, and `flat`, its
+    json_schema fields beside `type`): None for text, else the JSON schema the answer follows
     ({"type": "object"} for json_object); a 400 naming what is wrong."""
     if v is None:
         return None
     if not isinstance(v, dict) or not isinstance(v.get("type"), str):
-        raise invalid("response_format", "Invalid type for 'response_format': expected an "
-                      "object with a 'type'.")
+        raise invalid(param, f"Invalid type for '{param}': expected an object with a "
+                      "'type'.")
     kind = v["type"]
     if kind in ("text", "json_object"):
-        _only(v, ("type",), "response_format")
+        _only(v, ("type",), param)
         return None if kind == "text" else ANY_OBJECT
     if kind != "json_schema":
-        raise invalid("response_format.type", f"Invalid value for 'response_format.type': "
+        raise invalid(f"{param}.type", f"Invalid value for '{param}.type': "
                       f"{kind!r}. Supported values are: 'text', 'json_object' and "
                       "'json_schema'.")
-    _only(v, ("type", "json_schema"), "response_format")
-    spec = v.get("json_schema")
-    where = "response_format.json_schema"
+    if flat:
+        spec, where = {k: x for k, x in v.items() if k != "type"}, param
+    else:
+        _only(v, ("type", "json_schema"), param)
+        spec, where = v.get("json_schema"), f"{param}.json_schema"
     if not isinstance(spec, dict):
         raise invalid(where, f"Missing required parameter: '{where}'.")
     _only(spec, ("name", "description", "schema", "strict"), where)

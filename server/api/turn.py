@@ -47,7 +47,7 @@ class Piece:
 
 
 async def start_turn(state: ServerState, req: ChatRequest, salt: str, priority: int,
-                     id_prefix: str = "chatcmpl", param: str = "messages",
+                     request_id: str | None = None, param: str = "messages",
                      schema_param: str = "response_format") -> Turn:
     """Render, size, constrain and start the request; 400s name `param` (the messages field
     of the protocol) or `schema_param` (where its output schema came from)."""
@@ -58,7 +58,7 @@ async def start_turn(state: ServerState, req: ChatRequest, salt: str, priority: 
     grammar, where = _grammar_text(req, schema_param)
     if grammar is not None:
         params = replace(params, grammar=await compile_grammar(state, grammar, where))
-    rid = new_id(id_prefix)
+    rid = request_id or new_id("chatcmpl")
     chunks = stream_engine(state, prompt_ids, params, rid, salt, priority)
     calls_tools = req.tool_use is not None and req.tool_use.is_active
     return Turn(rid, len(prompt_ids), chunks, calls_tools)

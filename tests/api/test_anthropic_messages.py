@@ -154,10 +154,10 @@ def test_errors_are_in_anthropics_envelope(anthropic_client, server):
 def test_the_key_works_as_x_api_key_and_is_required(server):
     from anthropic import Anthropic, AuthenticationError
 
-    with Anthropic(base_url=server.url, api_key="sk-wrong", max_retries=0) as bad:
-        with pytest.raises(AuthenticationError) as e:
-            bad.messages.create(model=MODEL, max_tokens=4,
-                                messages=[{"role": "user", "content": "hi"}])
+    with (Anthropic(base_url=server.url, api_key="sk-wrong", max_retries=0) as bad,
+          pytest.raises(AuthenticationError) as e):
+        bad.messages.create(model=MODEL, max_tokens=4,
+                            messages=[{"role": "user", "content": "hi"}])
     assert e.value.body["error"]["type"] == "authentication_error"
     body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
     r = httpx.post(f"{server.url}/v1/messages", headers={"x-api-key": API_KEY}, json=body)

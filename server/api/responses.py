@@ -1,0 +1,224 @@
+"""POST /v1/responses, GET and DELETE /v1/responses/{id}: OpenAI's Responses API over the same
+turn as chat (turn.py).
+
+A response's output is its items in the order the model wrote them: a `message` with one
+`output_text` part for text, a `function_call` per tool call. Stored responses (`store`,
+default true) keep the conversation they end, so `previous_response_id` continues it: the
+stored messages come before the new input, and their tokens are the prefix cache's (the same
+text renders to the same tokens). The stream is OpenAI's event sequence, numbered.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from server.api.auth import tenant
+from server.api.errors import APIError
+from server.api.responses_protocol import ResponsesRequest, parse_responses_request
+from server.api.serving import Generation, respond
+from server.api.state import ServerState
+from server.api.turn import Turn, pieces, start_turn
+from server.api.usage import TokenCount
+
+
+async def create_response(request: Request) -> Response:
+    return await respond(request, parse_responses_request, _start, "responses")
+
+
+async def get_response(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    stored = await _stored(state, tenant(request), request.path_params["response_id"], None)
+    return JSONResponse(stored[0])
+
+
+async def delete_response(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    response_id = request.path_params["response_id"]
+    if not await state.db.run(state.responses.delete, tenant(request), response_id):
+        raise _not_found(response_id, None)
+    return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+
+async def _stored(state: ServerState, owner: str, response_id: str, param: str | None
+                  ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    stored = await state.db.run(state.responses.get, owner, response_id)
+    if stored is None:
+        raise _not_found(response_id, param)
+    return stored
+
+
+def _not_found(response_id: str, param: str | None) -> APIError:
+    return APIError(404, f"Response with id '{response_id}' not found.", param=param,
+                    code="response_not_found" if param is None else "previous_response_not_found")
+
+
+async def _start(state: ServerState, req: ResponsesRequest, salt: str, priority: int
+                 ) -> Generation:
+    history: list[dict[str, Any]] = []
+    if req.previous_response_id is not None:
+        _, history = await _stored(state, salt, req.previous_response_id,
+                                   "previous_response_id")
+    conversation = history + req.chat.messages
+    system = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    chat = replace(req.chat, messages=system + conversation)
+    turn = await start_turn(state, chat, salt, priority, f"resp_{uuid.uuid4().hex}", "input",
+                            "text.format")
+    run = _Run(state, req, turn, conversation, salt)
+    return Generation(run.collect, run.stream)
+
+
+class _Output:
+    """The output items as the pieces arrive: text goes to the open message item (a new one
+    after a call), each call is an item of its own. Yields the stream events of each step."""
+
+    def __init__(self) -> None:
+        self.items: list[dict[str, Any]] = []
+        self._open: dict[str, Any] | None = None
+        self._call_items: dict[int, dict[str, Any]] = {}  # the parser's call index -> item
+
+    def text(self, delta: str) -> list[dict[str, Any]]:
+        events = []
+        if self._open is None or self._open["type"] != "message":
+            events += self.close()
+            self._open = {"id": f"msg_{uuid.uuid4().hex}", "type": "message",
+                          "status": "in_progress", "role": "assistant", "content": []}
+            events.append(self._added())
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            self._open["content"].append(part)
+            events.append({"type": "response.content_part.added", **self._where(),
+                           "content_index": 0, "part": dict(part)})
+        self._open["content"][0]["text"] += delta
+        events.append({"type": "response.output_text.delta", **self._where(),
+                       "content_index": 0, "delta": delta, "logprobs": []})
+        return events
+
+    def call(self, index: int, call_id: str | None, name: str | None, arguments: str
+             ) -> list[dict[str, Any]]:
+        events = []
+        if call_id is not None:
+            events += self.close()
+            self._open = {"id": f"fc_{uuid.uuid4().hex}", "type": "function_call",
+                          "status": "in_progress", "call_id": call_id, "name": name,
+                          "arguments": ""}
+            self._call_items[index] = self._open
+            events.append(self._added())
+        if arguments:
+            self._call_items[index]["arguments"] += arguments
+            events.append({"type": "response.function_call_arguments.delta", **self._where(),
+                           "delta": arguments})
+        return events
+
+    def close(self, status: str = "completed") -> list[dict[str, Any]]:
+        item = self._open
+        if item is None:
+            return []
+        item["status"] = status
+        where = self._where()
+        events = []
+        if item["type"] == "message":
+            part = item["content"][0]
+            events += [{"type": "response.output_text.done", **where, "content_index": 0,
+                        "text": part["text"], "logprobs": []},
+                       {"type": "response.content_part.done", **where, "content_index": 0,
+                        "part": dict(part)}]
+        else:
+            events.append({"type": "response.function_call_arguments.done", **where,
+                           "name": item["name"], "arguments": item["arguments"]})
+        events.append({"type": "response.output_item.done", "output_index": where[
+            "output_index"], "item": _copy(item)})
+        self._open = None
+        return events
+
+    def _added(self) -> dict[str, Any]:
+        self.items.append(self._open)
+        return {"type": "response.output_item.added", "output_index": len(self.items) - 1,
+                "item": _copy(self._open)}
+
+    def _where(self) -> dict[str, Any]:
+        return {"item_id": self._open["id"], "output_index": self.items.index(self._open)}
+
+
+def _copy(item: dict[str, Any]) -> dict[str, Any]:
+    out = dict(item)
+    if "content" in out:
+        out["content"] = [dict(p) for p in out["content"]]
+    return out
+
+
+class _Run:
+    def __init__(self, state: ServerState, req: ResponsesRequest, turn: Turn,
+                 conversation: list[dict[str, Any]], owner: str) -> None:
+        self.state, self.req, self.turn = state, req, turn
+        self.conversation, self.owner = conversation, owner
+        self.count = TokenCount(turn.num_prompt_tokens)
+        self.created_at = int(time.time())
+
+    def _response(self, status: str, output: list[dict[str, Any]],
+                  finish: str | None = None) -> dict[str, Any]:
+        c = self.count
+        done = status in ("completed", "incomplete")
+        usage = {"input_tokens": c.num_prompt,
+                 "input_tokens_details": {"cached_tokens": c.num_cached},
+                 "output_tokens": c.num_output,
+                 "output_tokens_details": {"reasoning_tokens": 0},
+                 "total_tokens": c.num_prompt + c.num_output} if done else None
+        return {"id": self.turn.request_id, "object": "response",
+                "created_at": self.created_at, "status": status, "error": None,
+                "incomplete_details": {"reason": "max_output_tokens"} if finish == "length"
+                else None, "model": self.state.served_name, "output": output,
+                "usage": usage, **self.req.echo}
+
+    async def _events(self) -> AsyncIterator[list[dict[str, Any]]]:
+        """Each piece's stream events; the last list holds the finished response's event."""
+        out = _Output()
+        finish = None
+        async for piece in pieces(self.turn):
+            self.count.add(piece.chunk)
+            events = out.text(piece.content) if piece.content else []
+            for d in piece.calls:
+                events += out.call(d.index, d.id, d.name, d.arguments)
+            if piece.finish_reason is not None:
+                finish = piece.finish_reason
+            yield events
+        if not out.items:  # an empty answer is an empty message
+            yield out.text("")[:-1]
+        status = "incomplete" if finish == "length" else "completed"
+        events = out.close(status)
+        response = self._response(status, [_copy(i) for i in out.items], finish)
+        if self.req.store:
+            await self.state.db.run(self.state.responses.put, self.owner, response,
+                                    self.conversation + [_assistant_message(out.items)])
+        yield events + [{"type": f"response.{status}", "response": response}]
+
+    async def collect(self) -> dict[str, Any]:
+        last: list[dict[str, Any]] = []
+        async for events in self._events():
+            last = events
+        return last[-1]["response"]
+
+    async def stream(self) -> AsyncIterator[dict[str, Any]]:
+        started = self._response("in_progress", [])
+        numbered = 0
+        for kind in ("response.created", "response.in_progress"):
+            yield {"type": kind, "sequence_number": numbered, "response": started}
+            numbered += 1
+        async for events in self._events():
+            for event in events:
+                yield event | {"sequence_number": numbered}
+                numbered += 1
+
+
+def _assistant_message(items: list[dict[str, Any]]) -> dict[str, Any]:
+    """The output as the chat message that continues the conversation."""
+    text = "".join(p["text"] for i in items if i["type"] == "message" for p in i["content"])
+    calls = [{"id": i["call_id"], "type": "function",
+              "function": {"name": i["name"], "arguments": i["arguments"]}}
+             for i in items if i["type"] == "function_call"]
+    return {"role": "assistant", "content": text} | ({"tool_calls": calls} if calls else {})

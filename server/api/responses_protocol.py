@@ -1,0 +1,207 @@
+"""Responses API request bodies parsed into the chat form every turn runs on.
+
+`input` (a string, or items: messages, `function_call`, `function_call_output`) becomes chat
+messages: a function call joins the assistant message before it as a tool call, an output
+becomes a tool message. `instructions` is a system message in front (not carried on by
+`previous_response_id`, as OpenAI does). `text.format` is the output schema; function `tools`
+are flat ({"type": "function", "name", "parameters"}). Fields OpenAI defines that localserve
+does not implement are refused when set.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from server.api.errors import invalid, unsupported
+from server.api.protocol import ChatRequest, Fields
+from server.api.structured import parse_response_format
+from server.api.tools import parse_tools
+from server.engine.sequence import SamplingParams
+
+INPUT_ROLES = ("user", "system", "developer", "assistant")
+
+
+@dataclass(slots=True)
+class ResponsesRequest:
+    chat: ChatRequest  # messages: this request's input only (no instructions, no history)
+    instructions: str | None
+    previous_response_id: str | None
+    store: bool
+    echo: dict[str, Any] = field(default_factory=dict)  # request fields the response repeats
+
+    @property
+    def model(self) -> str:
+        return self.chat.model
+
+    @property
+    def stream(self) -> bool:
+        return self.chat.stream
+
+
+def parse_responses_request(body: dict[str, Any], vocab_size: int) -> ResponsesRequest:
+    f = Fields(body)
+    model = f.str("model", required=True)
+    messages = _input(f.raw("input"))
+    instructions = f.str("instructions")
+    previous = f.str("previous_response_id")
+    store = f.bool("store", True)
+    stream = f.bool("stream")
+    options = f.raw("stream_options")
+    if options is not None and (not stream or not isinstance(options, dict)
+                                or set(options) - {"include_obfuscation"}):
+        raise invalid("stream_options", "'stream_options' takes only 'include_obfuscation', "
+                      "and only when 'stream' is true.")
+    max_tokens = f.int("max_output_tokens", lo=1)
+    raw_tools, choice = f.raw("tools"), f.raw("tool_choice")
+    parallel = f.raw("parallel_tool_calls")
+    tool_use = parse_tools(_chat_tools(raw_tools), _chat_choice(choice), parallel)
+    text = f.raw("text")
+    output_schema, text_echo = _text(text)
+    metadata = f.raw("metadata")
+    if metadata is not None and not isinstance(metadata, dict):
+        raise invalid("metadata", "Invalid type for 'metadata': expected an object.")
+    params = SamplingParams(temperature=f.float("temperature", 1.0, 0.0, 2.0),
+                            top_p=f.float("top_p", 1.0, 0.0, 1.0, lo_open=True))
+    user = f.str("user")
+    f.str("safety_identifier")
+    f.str("prompt_cache_key")  # prefix caching is automatic
+    f.str("service_tier")
+    f.refuse("truncation", (None, "disabled"), "truncation 'auto'")
+    f.refuse("background", (None, False), "background responses")
+    f.refuse("reasoning", (None,), "reasoning settings")
+    f.refuse("include", (None,), "extra output fields")
+    f.refuse("top_logprobs", (None, 0), "logprobs")
+    f.refuse("conversation", (None,), "conversations; use previous_response_id")
+    f.refuse("prompt", (None,), "prompt templates")
+    f.refuse("max_tool_calls")
+    f.check_unknown()
+    chat = ChatRequest(model=model, params=params, max_tokens=max_tokens, stream=stream,
+                       user=user, messages=messages, output_schema=output_schema,
+                       tool_use=tool_use)
+    echo = {"instructions": instructions, "max_output_tokens": max_tokens,
+            "metadata": metadata or {}, "parallel_tool_calls": parallel is not False,
+            "previous_response_id": previous, "store": store,
+            "temperature": params.temperature, "top_p": params.top_p,
+            "text": text_echo, "tool_choice": choice if choice is not None else "auto",
+            "tools": raw_tools or [], "truncation": "disabled", "user": user}
+    return ResponsesRequest(chat, instructions, previous, store, echo)
+
+
+def _input(v: Any) -> list[dict[str, Any]]:
+    if isinstance(v, str):
+        return [{"role": "user", "content": v}]
+    if not isinstance(v, list) or not v:
+        raise invalid("input", "Invalid value for 'input': expected a string or a non-empty "
+                      "array of input items.")
+    out: list[dict[str, Any]] = []
+    for i, item in enumerate(v):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise invalid(where, f"Invalid type for '{where}': expected an object.")
+        kind = item.get("type", "message")
+        if kind == "message":
+            out.append(_message(item, where))
+        elif kind == "function_call":
+            call = _function_call(item, where)
+            if out and out[-1]["role"] == "assistant":
+                out[-1].setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            _keys(item, ("type", "call_id", "output", "id", "status"), where)
+            if not isinstance(item.get("call_id"), str):
+                raise invalid(f"{where}.call_id", f"Missing required parameter: "
+                              f"'{where}.call_id'.")
+            output = item.get("output")
+            text = output if isinstance(output, str) else _parts(output, f"{where}.output",
+                                                                 ("input_text",))
+            out.append({"role": "tool", "tool_call_id": item["call_id"], "content": text})
+        else:
+            raise unsupported(f"{where}.type", f"input items of type {kind!r}")
+    return out
+
+
+def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
+    _keys(item, ("type", "role", "content", "id", "status"), where)
+    role = item.get("role")
+    if role not in INPUT_ROLES:
+        raise invalid(f"{where}.role", f"Invalid value for '{where}.role': {role!r}. "
+                      f"Supported values are: {', '.join(map(repr, INPUT_ROLES))}.")
+    content = item.get("content")
+    kinds = ("output_text", "refusal") if role == "assistant" else ("input_text",)
+    text = content if isinstance(content, str) else _parts(content, f"{where}.content", kinds)
+    return {"role": "system" if role == "developer" else role, "content": text}
+
+
+def _parts(v: Any, where: str, kinds: tuple[str, ...]) -> str:
+    if not isinstance(v, list):
+        raise invalid(where, f"Invalid type for '{where}': expected a string or an array of "
+                      "content parts.")
+    texts = []
+    for j, part in enumerate(v):
+        p = f"{where}[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in kinds:
+            if kind in ("input_image", "input_file", "input_audio"):
+                raise unsupported(f"{p}.type", f"content parts of type {kind!r}")
+            raise invalid(f"{p}.type", f"Invalid value for '{p}.type': {kind!r}. Supported "
+                          f"values are: {', '.join(map(repr, kinds))}.")
+        value = part.get("refusal" if kind == "refusal" else "text")
+        if not isinstance(value, str):
+            raise invalid(f"{p}.text", f"Invalid type for '{p}.text': expected a string.")
+        texts.append(value)
+    return "\n".join(texts)
+
+
+def _function_call(item: dict[str, Any], where: str) -> dict[str, Any]:
+    _keys(item, ("type", "call_id", "name", "arguments", "id", "status"), where)
+    for key in ("call_id", "name", "arguments"):
+        if not isinstance(item.get(key), str):
+            raise invalid(f"{where}.{key}", f"Missing required parameter: '{where}.{key}'.")
+    return {"id": item["call_id"], "type": "function",
+            "function": {"name": item["name"], "arguments": item["arguments"]}}
+
+
+def _keys(item: dict[str, Any], allowed: tuple[str, ...], where: str) -> None:
+    for key in item:
+        if key not in allowed:
+            raise invalid(f"{where}.{key}", f"Unrecognized parameter '{where}.{key}'.")
+
+
+def _chat_tools(v: Any) -> Any:
+    """Responses' flat function tools in chat's nested form (parse_tools checks the rest)."""
+    if not isinstance(v, list):
+        return v
+    out = []
+    for i, t in enumerate(v):
+        if not isinstance(t, dict):
+            raise invalid(f"tools[{i}]", f"Invalid type for 'tools[{i}]': expected an object.")
+        if t.get("type") != "function":
+            raise unsupported(f"tools[{i}].type", f"tools of type {t.get('type')!r}; only "
+                              "'function'")
+        out.append({"type": "function", "function": {k: t[k] for k in t if k != "type"}})
+    return out
+
+
+def _chat_choice(v: Any) -> Any:
+    if isinstance(v, dict) and v.get("type") == "function":
+        return {"type": "function", "function": {"name": v.get("name")}}
+    if isinstance(v, dict) and v.get("type") in ("none", "auto", "required"):
+        return v["type"]
+    return v
+
+
+def _text(v: Any) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """(the output schema, the `text` the response repeats)."""
+    if v is None:
+        return None, {"format": {"type": "text"}}
+    if not isinstance(v, dict):
+        raise invalid("text", "Invalid type for 'text': expected an object.")
+    _keys(v, ("format", "verbosity"), "text")
+    if v.get("verbosity") not in (None, "medium"):
+        raise unsupported("text.verbosity")
+    fmt = v.get("format")
+    if fmt is None:
+        return None, {"format": {"type": "text"}}
+    return parse_response_format(fmt, "text.format", flat=True), {"format": fmt}

@@ -1,0 +1,43 @@
+"""Stored responses of the Responses API (`store`, default true): the response object as it was
+answered, and the conversation it ends (its input and output as chat messages), which a later
+request continues with `previous_response_id`. Per tenant, like files and batches.
+
+Every method runs on the database thread (call it through Database.run / Database.call).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from storage.db import Database
+
+
+class ResponseStore:
+    def __init__(self, db: Database) -> None:
+        self.db = db
+
+    def put(self, tenant: str, response: dict[str, Any], conversation: list[dict[str, Any]]
+            ) -> None:
+        with self.db.transaction() as db:
+            db["responses"].insert({
+                "id": response["id"], "tenant": tenant, "created_at": int(time.time()),
+                "response": json.dumps(response, ensure_ascii=False),
+                "conversation": json.dumps(conversation, ensure_ascii=False)}, replace=True)
+
+    def get(self, tenant: str, response_id: str
+            ) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
+        """(response, conversation), or None if this tenant stored no such response."""
+        rows = list(self.db.db.query(
+            "select response, conversation from responses where id = ? and tenant = ?",
+            [response_id, tenant]))
+        if not rows:
+            return None
+        return json.loads(rows[0]["response"]), json.loads(rows[0]["conversation"])
+
+    def delete(self, tenant: str, response_id: str) -> bool:
+        with self.db.transaction() as db:
+            cursor = db.execute("delete from responses where id = ? and tenant = ?",
+                                [response_id, tenant])
+            return cursor.rowcount > 0

@@ -1,0 +1,163 @@
+"""The Responses API through the official openai client against a real server (the tiny
+model): create, stream, stored responses and previous_response_id, a json_schema format and a
+required function call. Schemas bound their output, so every answer closes within its
+max_output_tokens whatever the random model samples."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import pytest
+
+from tests.api.conftest import API_KEY, MODEL, OTHER_KEY
+
+GREEDY = {"temperature": 0.0}
+ANSWER = {"type": "object", "properties": {
+    "ok": {"type": "boolean"}, "word": {"type": "string", "maxLength": 12}},
+    "required": ["ok", "word"], "additionalProperties": False}
+ADD = {"type": "function", "name": "add", "description": "Add two integers",
+       "parameters": {"type": "object", "properties": {
+           "a": {"type": "integer", "minimum": -1000, "maximum": 1000},
+           "b": {"type": "integer", "minimum": -1000, "maximum": 1000}},
+           "required": ["a", "b"], "additionalProperties": False}}
+LONG_QUESTION = "Please tell me, in a few words, what the weather is like by the sea today?"
+
+
+def test_create_answers_with_output_text_and_usage(client):
+    r = client.responses.create(model=MODEL, input="Hello there", max_output_tokens=10,
+                                **GREEDY)
+    assert r.id.startswith("resp_") and r.object == "response" and r.model == MODEL
+    assert r.status in ("completed", "incomplete")
+    assert [item.type for item in r.output] == ["message"]
+    assert r.output[0].content[0].type == "output_text"
+    assert r.output_text == r.output[0].content[0].text
+    assert 0 < r.usage.output_tokens <= 10 and r.usage.input_tokens > 0
+    assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+    if r.status == "incomplete":
+        assert r.incomplete_details.reason == "max_output_tokens"
+
+
+def test_stream_deltas_equal_the_created_text(client):
+    kwargs = dict(model=MODEL, input=[{"role": "user", "content": "Tell me about the sea"}],
+                  instructions="You are terse.", max_output_tokens=16, **GREEDY)
+    whole = client.responses.create(**kwargs)
+    events = list(client.responses.create(stream=True, **kwargs))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress",
+                         "response.output_item.added", "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done",
+                          "response.output_item.done", f"response.{whole.status}"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == whole.output_text
+    final = events[-1].response
+    assert final.output_text == whole.output_text
+    assert final.usage.output_tokens == whole.usage.output_tokens
+
+
+def test_stream_helper_gives_the_final_response(client):
+    # The helper's final response needs `response.completed`: a schema makes the answer end
+    # (one cut off by max_output_tokens ends with `response.incomplete`, as OpenAI's does).
+    with client.responses.stream(model=MODEL, input="Hi", max_output_tokens=64, text={
+            "format": {"type": "json_schema", "name": "answer", "schema": ANSWER}}) as stream:
+        text = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
+        final = stream.get_final_response()
+    assert final.status == "completed" and final.output_text == text
+
+
+def test_previous_response_id_continues_the_stored_conversation(client):
+    first = client.responses.create(model=MODEL, input=LONG_QUESTION, max_output_tokens=8,
+                                    **GREEDY)
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+    second = client.responses.create(model=MODEL, input="And tomorrow?",
+                                     previous_response_id=first.id, max_output_tokens=4,
+                                     **GREEDY)
+    assert second.previous_response_id == first.id
+    alone = client.responses.create(model=MODEL, input="And tomorrow?", max_output_tokens=4,
+                                    store=False, **GREEDY)
+    # The history (question and answer) is in the prompt, and its blocks come from the cache.
+    assert second.usage.input_tokens >= (alone.usage.input_tokens
+                                         + first.usage.input_tokens
+                                         + first.usage.output_tokens - 2)
+    assert second.usage.input_tokens_details.cached_tokens >= 16
+    import openai
+
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(alone.id)  # store=False: never stored
+
+
+def test_stored_responses_belong_to_their_key_and_can_be_deleted(client, server):
+    from openai import NotFoundError, OpenAI
+
+    r = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2)
+    with OpenAI(base_url=f"{server.url}/v1", api_key=OTHER_KEY, max_retries=0) as other:
+        with pytest.raises(NotFoundError):
+            other.responses.retrieve(r.id)
+        with pytest.raises(NotFoundError) as e:
+            other.responses.create(model=MODEL, input="Hi", previous_response_id=r.id)
+        assert e.value.body["param"] == "previous_response_id"
+    deleted = client.responses.delete(r.id)
+    assert deleted is None  # the client returns nothing; the server said deleted
+    with pytest.raises(NotFoundError):
+        client.responses.retrieve(r.id)
+    gone = httpx.delete(f"{server.url}/v1/responses/{r.id}",
+                        headers={"Authorization": f"Bearer {API_KEY}"})
+    assert gone.status_code == 404 and gone.json()["error"]["code"] == "response_not_found"
+
+
+def test_json_schema_format_gives_valid_json(client):
+    for stream in (False, True):
+        kwargs = dict(model=MODEL, input="Answer as JSON.", max_output_tokens=64,
+                      text={"format": {"type": "json_schema", "name": "answer",
+                                       "schema": ANSWER, "strict": True}})
+        if stream:
+            events = list(client.responses.create(stream=True, **kwargs))
+            r = events[-1].response
+        else:
+            r = client.responses.create(**kwargs)
+        assert r.status == "completed", r
+        jsonschema.validate(json.loads(r.output_text), ANSWER)
+        assert r.text.format.type == "json_schema"
+
+
+def test_required_function_call_and_its_output_sent_back(client):
+    r = client.responses.create(model=MODEL, input="What is 2 + 3?", tools=[ADD],
+                                tool_choice="required", max_output_tokens=64,
+                                parallel_tool_calls=False, **GREEDY)
+    calls = [i for i in r.output if i.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name == "add"
+    assert calls[0].call_id.startswith("call_") and calls[0].id.startswith("fc_")
+    jsonschema.validate(json.loads(calls[0].arguments), ADD["parameters"])
+    events = list(client.responses.create(
+        model=MODEL, input="What is 2 + 3?", tools=[ADD], tool_choice="required",
+        max_output_tokens=64, parallel_tool_calls=False, stream=True, **GREEDY))
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    deltas = "".join(e.delta for e in events
+                     if e.type == "response.function_call_arguments.delta")
+    assert done and done[0].arguments == deltas == calls[0].arguments
+    follow = client.responses.create(
+        model=MODEL, previous_response_id=r.id, max_output_tokens=4, tools=[ADD],
+        input=[{"type": "function_call_output", "call_id": calls[0].call_id, "output": "5"}])
+    assert follow.status in ("completed", "incomplete")
+    assert follow.usage.input_tokens > r.usage.input_tokens
+
+
+def test_bad_requests_name_the_field(client):
+    import openai
+
+    cases = [
+        (dict(input=[]), "input"),
+        (dict(input="hi", tools=[{"type": "web_search"}]), "tools[0].type"),
+        (dict(input="hi", text={"format": {"type": "xml"}}), "text.format.type"),
+        (dict(input="hi", text={"format": {"type": "json_schema", "schema": {}}}),
+         "text.format.name"),
+        (dict(input=[{"role": "robot", "content": "hi"}]), "input[0].role"),
+        (dict(input="hi", extra_body={"bogus": 1}), "bogus"),
+        (dict(input="hi", max_output_tokens=0), "max_output_tokens"),
+    ]
+    for kwargs, param in cases:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.responses.create(model=MODEL, **kwargs)
+        assert e.value.body["param"] == param, (kwargs, e.value.body)
