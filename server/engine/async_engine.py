@@ -16,6 +16,7 @@ from server.engine.detokenizer import IncrementalDetokenizer
 from server.engine.engine import Engine, EngineConfig, StepOutput, release_freed_memory
 from server.engine.sequence import (
     PRIORITY_INTERACTIVE,
+    Pooling,
     SamplingParams,
     Sequence,
     SequenceStatus,
@@ -35,6 +36,7 @@ class CompletionChunk:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
+    embedding: list[float] | None = None  # an embedding request's vector (its one chunk)
 
 
 @dataclass(slots=True)
@@ -111,9 +113,38 @@ class AsyncEngine:
             if remaining:
                 self.abort(request_id)
 
+    async def embed(self, prompt_ids: list[int], pooling: Pooling,
+                    priority: int = PRIORITY_INTERACTIVE, cache_salt: str = "",
+                    request_id: str | None = None) -> list[float]:
+        """The prompt's pooled final hidden states: a prefill-only request through the same
+        scheduler as generation (it batches with chats). Raises RequestTooLargeError if the
+        prompt can never run."""
+        request_id = request_id or f"emb-{next(self._ids)}"
+        seq = Sequence(prompt_ids, SamplingParams(max_tokens=0), priority, cache_salt,
+                       request_id, pooling=pooling)
+        req = _Request(request_id, [seq], [], asyncio.get_running_loop(), asyncio.Queue())
+        self.engine.scheduler.check(seq)
+        self._inbox.put(("add", req))
+        self._wake.set()
+        done = False
+        try:
+            item = await req.queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            done = True
+            return item.embedding
+        finally:
+            if not done:
+                self.abort(request_id)
+
     @property
     def vocab_size(self) -> int:
         return self.engine.vocab_size
+
+    @property
+    def hidden_size(self) -> int:
+        """The length of an embedding."""
+        return self.engine.runner.model.config.hidden_size
 
     @property
     def max_model_len(self) -> int:
@@ -220,6 +251,12 @@ class AsyncEngine:
                 index, text, [token], seq.finish_reason, detok.stopped_by, logprobs,
                 seq.num_prompt_tokens, seq.num_cached_tokens, seq.num_output_tokens)
             batches.setdefault(req.loop, []).append((req.queue, chunk))
+        for seq in step.finished:  # embedding requests: their vector, once
+            req = self._requests.pop(seq.request_id, None) if seq.pooling else None
+            if req is not None:
+                chunk = CompletionChunk(0, "", [], seq.finish_reason, embedding=seq.embedding,
+                                        num_prompt_tokens=seq.num_prompt_tokens)
+                batches.setdefault(req.loop, []).append((req.queue, chunk))
         for loop, items in batches.items():
             loop.call_soon_threadsafe(_put_all, items)
         # Only now: several of a request's n choices can finish in the same step.

@@ -154,6 +154,10 @@ class Engine:
                 tops = result.top_logprobs[k][: seq.params.top_logprobs] if result.top_logprobs \
                     else []
                 seq.logprobs.append((result.logprobs[k], tops))
+        if result is not None and result.embeddings:
+            pooled = [s for s, f in zip(out.seqs, out.is_pooling, strict=True) if f]
+            for seq, vector in zip(pooled, result.embeddings, strict=True):
+                seq.embedding = vector
         for seq in finished:
             self.runner.release(seq)
 

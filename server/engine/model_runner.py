@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+from torch.nn import functional as F
 
 from server.engine.sampler import Sampler, chosen_first
 from server.engine.scheduler import SchedulerOutput
@@ -19,6 +20,7 @@ class StepResult:
     token_ids: list[int]  # one per sampling sequence, in batch order
     logprobs: list[float] | None
     top_logprobs: list[list[tuple[int, float]]] | None
+    embeddings: list[list[float]] = field(default_factory=list)  # one per pooling sequence
 
 
 def kv_bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
@@ -36,6 +38,9 @@ class ModelRunner:
         self.kv_caches = allocate_kv(model, num_blocks * block_size, device, kv_dtype or dtype)
         self.sampler = Sampler(model.config.vocab_size)
         self.unpacked = UnpackedWeights(model)  # int4 layers' bf16 copies while prompts run
+        # Embedding requests whose prompt spans steps: the fp32 sum of their hidden states so
+        # far (mean pooling), by sequence id.
+        self.pooled_sums: dict[int, torch.Tensor] = {}
 
     def release_blocks(self, block_ids: list[int]) -> int:
         """Hand these blocks' pages back to the OS; returns the bytes given back."""
@@ -48,8 +53,10 @@ class ModelRunner:
         return release_slots(self.kv_caches, runs)
 
     def release(self, seq) -> None:
-        """A sequence left the engine: drop its sampling state (its seeded generator)."""
+        """A sequence left the engine: drop its sampling state (its seeded generator) and
+        pooling sum."""
         self.sampler.release(seq)
+        self.pooled_sums.pop(seq.seq_id, None)
 
     @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> StepResult:
@@ -78,22 +85,50 @@ class ModelRunner:
             hidden = self.model(batch, self.kv_caches)
         finally:
             end_step(batch.rows)
+        embeddings = self._pool(out, hidden) if any(s.pooling for s in seqs) else []
         # Logits only for the last token of each sequence that samples this step.
         last = torch.tensor(num_new).cumsum(0) - 1
         rows = last[torch.tensor(out.is_sampling, dtype=torch.bool)]
         sampling = [s for s, flag in zip(seqs, out.is_sampling, strict=True) if flag]
         if not sampling:
-            return StepResult([], None, None)
+            return StepResult([], None, None, embeddings)
         logits = self.model.compute_logits(hidden[rows.to(self.device)])
         result = self.sampler(logits, sampling)
         # The step's one host sync: everything needed on the host comes over together.
         token_ids = result.token_ids.tolist()
         self.sampler.advance(sampling, token_ids)
         if result.logprobs is None:
-            return StepResult(token_ids, None, None)
+            return StepResult(token_ids, None, None, embeddings)
         logprobs = result.logprobs.tolist()
         tops = None
         if result.top_ids is not None:
             ids, lps = result.top_ids.tolist(), result.top_logprobs.tolist()
             tops = [chosen_first(i, lp, t) for i, lp, t in zip(ids, lps, token_ids, strict=True)]
-        return StepResult(token_ids, logprobs, tops)
+        return StepResult(token_ids, logprobs, tops, embeddings)
+
+    def _pool(self, out: SchedulerOutput, hidden: torch.Tensor) -> list[list[float]]:
+        """Add this step's rows of embedding requests to their sums; the vectors of those whose
+        prompt ends here, in batch order. Each row is pooled alone, so a text's vector does not
+        depend on what shares its steps (rows are batch-invariant)."""
+        vectors = []
+        first = 0
+        for seq, n, ends in zip(out.seqs, out.num_new_tokens, out.is_pooling, strict=True):
+            rows = hidden[first:first + n]  # [n, hidden]
+            first += n
+            pooling = seq.pooling
+            if pooling is None:
+                continue
+            if pooling.mode == "mean":
+                if seq.num_computed_tokens == 0:  # a new prompt, or recomputed after preemption
+                    self.pooled_sums[seq.seq_id] = torch.zeros(rows.shape[1], device=rows.device)
+                self.pooled_sums[seq.seq_id] += rows.float().sum(0)
+            if not ends:
+                continue
+            if pooling.mode == "mean":
+                vector = self.pooled_sums.pop(seq.seq_id) / seq.num_prompt_tokens
+            else:
+                vector = rows[-1].float()
+            if pooling.normalize:
+                vector = F.normalize(vector, dim=0)
+            vectors.append(vector.tolist())
+        return vectors

@@ -38,6 +38,8 @@ class SchedulerOutput:
     seqs: list[Sequence] = field(default_factory=list)  # scheduled sequences, in batch order
     num_new_tokens: list[int] = field(default_factory=list)  # tokens each computes this step
     is_sampling: list[bool] = field(default_factory=list)  # reaches its last known token
+    # An embedding request reaching the end of its prompt: pooled, not sampled, then done.
+    is_pooling: list[bool] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)  # lost their blocks this step
 
     @property
@@ -185,7 +187,8 @@ class Scheduler:
             if seq.leader is not None and not _prompt_cached(seq.leader):
                 j += 1  # n > 1: siblings wait to share the leader's cached prompt blocks
                 continue
-            hits = bm.match_prefix(seq)
+            # Pooling reads every prompt token's hidden state: no prefix hits for embeddings.
+            hits = bm.match_prefix(seq) if seq.pooling is None else []
             n = self._paced(seq, min(seq.num_tokens - len(hits) * bm.block_size, budget),
                             prefill_left)
             if n == 0:
@@ -220,15 +223,20 @@ class Scheduler:
             seq.num_computed_tokens += n
             self.block_manager.cache_full_blocks(seq)
             if token is None:
+                if seq.pooling is not None and seq.num_computed_tokens == seq.num_tokens:
+                    self._finish(seq, SequenceStatus.FINISHED_STOPPED, finished)
                 continue
             seq.token_ids.append(token)
             status = self._stop_status(seq, token)
             if status is not None:
-                self.running.remove(seq)
-                self.block_manager.free(seq)
-                seq.status = status
-                finished.append(seq)
+                self._finish(seq, status, finished)
         return finished
+
+    def _finish(self, seq: Sequence, status: SequenceStatus, finished: list[Sequence]) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = status
+        finished.append(seq)
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -244,7 +252,9 @@ class Scheduler:
     def _schedule(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
         out.seqs.append(seq)
         out.num_new_tokens.append(n)
-        out.is_sampling.append(seq.num_computed_tokens + n == seq.num_tokens)
+        reaches_end = seq.num_computed_tokens + n == seq.num_tokens
+        out.is_sampling.append(reaches_end and seq.pooling is None)
+        out.is_pooling.append(reaches_end and seq.pooling is not None)
 
     def _stop_status(self, seq: Sequence, token: int) -> SequenceStatus | None:
         p = seq.params
@@ -289,7 +299,7 @@ class Scheduler:
         if victim in out.seqs:
             k = out.seqs.index(victim)
             refund = out.num_new_tokens[k]
-            del out.seqs[k], out.num_new_tokens[k], out.is_sampling[k]
+            del out.seqs[k], out.num_new_tokens[k], out.is_sampling[k], out.is_pooling[k]
         self._preempt(victim, out)
         return refund
 

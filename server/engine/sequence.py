@@ -67,6 +67,19 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+@dataclass(slots=True, frozen=True)
+class Pooling:
+    """An embedding request: its prompt's final hidden states pooled into one vector, nothing
+    sampled. `mode`: "mean" over every prompt token, or "last" (the last token's)."""
+
+    mode: str
+    normalize: bool = True  # to unit length
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("mean", "last"):
+            raise ValueError(f"unknown pooling mode {self.mode!r}")
+
+
 _seq_ids = itertools.count()
 
 
@@ -94,6 +107,8 @@ class Sequence:
     logprobs: list = field(default_factory=list)  # per output token, when asked
     # Its place in params.grammar: advanced once per sampled token, so it survives preemption.
     grammar: GrammarState | None = None
+    pooling: Pooling | None = None  # an embedding request: prefill only, then pooled
+    embedding: list[float] | None = None  # its vector, once the prompt is computed
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.token_ids)  # owned: outputs are appended to it
