@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from storage.models import TAGS, ModelStore, StoredModel, write_manifest
-from storage.sources import TOKENIZER_FILES, Checkpoint, fetch, resolve
+from storage.sources import TOKENIZER_FILES, Checkpoint, SourceError, fetch, resolve
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -70,6 +70,8 @@ def build(checkpoint: Checkpoint, bits: int, folder: Path, name: str, alias: str
                file=sys.stderr, disable=None)
     for tensor_name, w in checkpoint.tensors():
         bar.update(1)
+        if tensor_name.startswith(BACKBONE_PREFIXES):  # a bare backbone's names (no head)
+            tensor_name = f"model.{tensor_name}"
         if tensor_name == "lm_head.weight" and config.tie_word_embeddings:
             continue  # tied: the embedding is the head
         if "rotary_emb" in tensor_name:
@@ -94,6 +96,7 @@ def build(checkpoint: Checkpoint, bits: int, folder: Path, name: str, alias: str
         "bits": bits,
         "group_size": DEFAULT_GROUP_SIZE if bits == 4 else None,
         "quantized": schemes,
+        "pooling": _pooling(checkpoint.tokenizer_dir, checkpoint.hf_config),
         "tokenizer": {
             "files": copied,
             "chat_template": _chat_template(folder),
@@ -101,6 +104,31 @@ def build(checkpoint: Checkpoint, bits: int, folder: Path, name: str, alias: str
         },
         "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
     })
+
+
+BACKBONE_PREFIXES = ("embed_tokens.", "layers.", "norm.")
+
+
+def _pooling(folder: Path, hf_config: dict[str, Any]) -> dict[str, Any] | None:
+    """An embedding model's pooling, from its sentence-transformers files (1_Pooling/config.json,
+    modules.json); None for a chat model (served with mean pooling, see /v1/embeddings)."""
+    pooling_file = folder / "1_Pooling" / "config.json"
+    if not pooling_file.is_file():
+        return None
+    config = json.loads(pooling_file.read_text())
+    if config.get("pooling_mode_lasttoken"):
+        mode = "last"
+    elif config.get("pooling_mode_mean_tokens"):
+        mode = "mean"
+    else:
+        modes = [k for k, v in config.items() if k.startswith("pooling_mode") and v]
+        raise SourceError(f"unsupported pooling {modes} in {pooling_file} (supported: "
+                          "last-token and mean)")
+    modules = folder / "modules.json"
+    normalize = modules.is_file() and any(
+        str(m.get("type", "")).endswith(".Normalize") for m in json.loads(modules.read_text()))
+    matryoshka = bool(hf_config.get("is_matryoshka") or hf_config.get("matryoshka_dimensions"))
+    return {"mode": mode, "normalize": normalize, "matryoshka": matryoshka}
 
 
 def _chat_template(folder: Path) -> str | None:

@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from server.api import anthropic_messages, batches, files, metrics, responses
+from server.api import anthropic_messages, batches, embeddings, files, metrics, responses
 from server.api.auth import AuthMiddleware
 from server.api.batch_worker import BatchWorker
 from server.api.chat import create_chat_completion
@@ -101,7 +101,7 @@ def load_into(state: ServerState) -> None:
         torch.set_num_threads(s.threads)
     stored = ModelStore().resolve(s.model)
     engine = load_engine(stored, s.engine, s.device, s.dtype)
-    state.attach(engine, stored.name)
+    state.attach(engine, stored.name, stored.manifest.get("pooling"))
 
 
 def kv_summary(stats: dict, config) -> str:
@@ -156,6 +156,7 @@ def create_app(settings: ServerSettings, state: ServerState | None = None) -> St
         Route("/v1/responses", responses.create_response, methods=["POST"]),
         Route("/v1/responses/{response_id}", responses.get_response, methods=["GET"]),
         Route("/v1/responses/{response_id}", responses.delete_response, methods=["DELETE"]),
+        Route("/v1/embeddings", embeddings.create_embeddings, methods=["POST"]),
         Route("/v1/messages", anthropic_messages.create_message, methods=["POST"]),
         Route("/v1/messages/count_tokens", anthropic_messages.count_tokens, methods=["POST"]),
         Route("/v1/files", files.upload_file, methods=["POST"]),

@@ -49,6 +49,7 @@ async def respond(request: Request, parse: Callable[[dict, int], Any], start: St
     state.ready_engine()
     req = parse(body, state.vocab_size)
     state.check_model(req.model)
+    state.check_generates()
     state.acquire()
     handed_to_stream = False  # a stream releases its place when it ends
     try:
@@ -69,6 +70,7 @@ async def answer_for_batch(state: ServerState, body: dict[str, Any], salt: str, 
     endpoint would answer."""
     req = parse(body, state.vocab_size)
     state.check_model(req.model)
+    state.check_generates()
     if req.stream:
         raise invalid("stream", "Batch requests cannot stream.")
     return await (await start(state, req, salt, priority)).collect()

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from server.api.errors import APIError, model_not_found
+from server.api.errors import APIError, invalid, model_not_found
 from server.api.metrics import ApiMetrics
 from server.api.usage import Prices, UsageMeter
 from server.engine.async_engine import AsyncEngine
@@ -76,6 +76,7 @@ class ServerState:
         self.created = int(time.time())
         self.vocab_size = 0
         self.max_request_tokens = 0  # prompt + completion tokens one sequence may hold
+        self.pooling: dict[str, Any] | None = None  # an embedding model's pooling
         home = settings.home or home_dir()
         self.db = Database(home / "localserve.db")
         self.files = FileStore(self.db, home / "files")
@@ -115,8 +116,11 @@ class ServerState:
         except Exception:  # noqa: BLE001 - kept in memory; the batch worker retries every 2 s
             log.exception("writing usage failed")
 
-    def attach(self, engine: AsyncEngine, served_name: str) -> None:
+    def attach(self, engine: AsyncEngine, served_name: str,
+               pooling: dict[str, Any] | None = None) -> None:
+        """The loaded model; `pooling`: an embedding model's (its manifest's), else None."""
         self.engine, self.tokenizer, self.served_name = engine, engine.tokenizer, served_name
+        self.pooling = pooling
         self.vocab_size = engine.vocab_size
         self.max_request_tokens = engine.max_request_tokens
         self.grammars = GrammarCompiler(engine.tokenizer, engine.vocab_size,
@@ -136,6 +140,12 @@ class ServerState:
     def check_model(self, name: str) -> None:
         if not self.serves(name):
             raise model_not_found(name)
+
+    def check_generates(self) -> None:
+        """Embedding models only embed (their head, if any, was never trained to write)."""
+        if self.pooling is not None:
+            raise invalid("model", f"The model `{self.served_name}` is an embedding model: it "
+                          "serves /v1/embeddings only.", code="model_not_supported")
 
     def acquire(self) -> None:
         """Take a place in the bounded queue, or 429 now (before any tokenizing)."""

@@ -11,6 +11,10 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": {"qkv_bias": False, "qk_norm": False},
     "Qwen2ForCausalLM": {"qkv_bias": True, "qk_norm": False},
     "Qwen3ForCausalLM": {"qkv_bias": False, "qk_norm": True},
+    # The bare backbones (no LM head): how embedding checkpoints are often saved.
+    "LlamaModel": {"qkv_bias": False, "qk_norm": False},
+    "Qwen2Model": {"qkv_bias": True, "qk_norm": False},
+    "Qwen3Model": {"qkv_bias": False, "qk_norm": True},
 }
 
 

@@ -39,7 +39,8 @@ def build_model(
     with torch.device("meta"), _without_random_init():
         model = model_class(config.architecture)(config)
     apply_quantization(model, schemes)
-    tied = config.tie_word_embeddings
+    # No head in the file (a bare backbone, as embedding models are saved): the embedding is.
+    tied = config.tie_word_embeddings or not any(k.startswith("lm_head.") for k in state)
     if tied:
         state = {k: v for k, v in state.items() if not k.startswith("lm_head.")}
         del model.lm_head  # re-created below from the embedding
