@@ -137,24 +137,22 @@ class BatchStore:
                body: dict[str, Any], usage_row: dict[str, Any] | None) -> bool:
         """Store one line's answer, once; returns False if it was already stored."""
         state = "done" if status_code < 300 else "failed"
-        usage = (body.get("usage") or {}) if status_code < 300 else {}
-        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        prompt, completion, cached = _token_counts(body.get("usage") if status_code < 300
+                                                   else None)
         with self.db.transaction() as db:
             cur = db.execute(
                 "update batch_lines set state = ?, status_code = ?, response = ?, "
                 "request_id = ?, prompt_tokens = ?, completion_tokens = ?, cached_tokens = ? "
                 "where batch_id = ? and custom_id = ? and state = 'pending'",
                 [state, status_code, json.dumps(body, ensure_ascii=False), request_id,
-                 usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0), cached,
-                 batch_id, custom_id])
+                 prompt, completion, cached, batch_id, custom_id])
             if cur.rowcount != 1:
                 return False
             column = "completed" if state == "done" else "failed"
             db.execute(f"update batches set {column} = {column} + 1 where id = ?", [batch_id])
-            if usage_row is not None and usage:
+            if usage_row is not None and state == "done":
                 add_usage(db, usage_row | {
-                    "requests": 1, "prompt_tokens": usage.get("prompt_tokens", 0),
-                    "completion_tokens": usage.get("completion_tokens", 0),
+                    "requests": 1, "prompt_tokens": prompt, "completion_tokens": completion,
                     "cached_tokens": cached})
         return True
 
@@ -244,3 +242,17 @@ def batch_object(row: dict[str, Any], usage: dict[str, int] | None = None) -> di
                         "input_tokens_details": {"cached_tokens": usage["k"]},
                         "output_tokens_details": {"reasoning_tokens": 0}}
     return out
+
+
+def _token_counts(usage: dict[str, Any] | None) -> tuple[int, int, int]:
+    """(prompt, completion, cached) tokens of a usage object in either of OpenAI's shapes:
+    chat's and embeddings' (prompt_tokens ...) or the Responses API's (input_tokens ...)."""
+    if not usage:
+        return 0, 0, 0
+    if "input_tokens" in usage:
+        details = usage.get("input_tokens_details") or {}
+        return usage["input_tokens"], usage.get("output_tokens", 0), details.get(
+            "cached_tokens", 0)
+    details = usage.get("prompt_tokens_details") or {}
+    return (usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0),
+            details.get("cached_tokens", 0))

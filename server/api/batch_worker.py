@@ -19,7 +19,9 @@ from typing import Any
 
 from server.api.chat import chat_answer
 from server.api.completions import completion_answer
+from server.api.embeddings import embeddings_answer
 from server.api.errors import APIError
+from server.api.responses import responses_answer
 from server.api.state import ServerState
 from server.api.usage import today
 from server.engine.sequence import PRIORITY_BATCH
@@ -191,7 +193,7 @@ class BatchWorker:
     async def _run_line(self, batch: dict[str, Any], custom_id: str, body_json: str) -> None:
         state = self.state
         request_id = f"batch_req_{uuid.uuid4().hex}"
-        answer = completion_answer if batch["endpoint"] == "/v1/completions" else chat_answer
+        answer = ANSWERS[batch["endpoint"]]
         try:
             try:
                 status, body = 200, await answer(state, json.loads(body_json), batch["tenant"],
@@ -221,6 +223,12 @@ class BatchWorker:
         await db.run(self.store.close_pending, batch["id"], final, code, message)
         await db.run(self.store.finalize, batch["id"], final)
         log.info("batch %s %s", batch["id"], final)
+
+
+# What a line of each endpoint gets: the body a plain request would (raises APIError as the
+# endpoint would answer).
+ANSWERS = {"/v1/chat/completions": chat_answer, "/v1/completions": completion_answer,
+           "/v1/embeddings": embeddings_answer, "/v1/responses": responses_answer}
 
 
 def _error(code: str, param: str | None, message: str) -> dict[str, Any]:

@@ -8,6 +8,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from server.api.auth import tenant
+from server.api.batch_worker import ANSWERS
 from server.api.body import read_json
 from server.api.errors import APIError, invalid, unsupported
 from server.api.files import expires_after, int_param, owned_row, page
@@ -15,8 +16,8 @@ from server.api.protocol import Fields
 from server.api.state import ServerState
 from storage.batches import batch_object
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
-OPENAI_ONLY_ENDPOINTS = ("/v1/responses", "/v1/embeddings", "/v1/moderations")
+ENDPOINTS = tuple(ANSWERS)
+OPENAI_ONLY_ENDPOINTS = ("/v1/moderations",)
 
 
 async def create_batch(request: Request) -> Response:

@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, Response
 from server.api.auth import tenant
 from server.api.errors import APIError
 from server.api.responses_protocol import ResponsesRequest, parse_responses_request
-from server.api.serving import Generation, respond
+from server.api.serving import Generation, answer_for_batch, respond
 from server.api.state import ServerState
 from server.api.turn import Turn, pieces, start_turn
 from server.api.usage import TokenCount
@@ -30,6 +30,12 @@ from server.api.usage import TokenCount
 
 async def create_response(request: Request) -> Response:
     return await respond(request, parse_responses_request, _start, "responses")
+
+
+async def responses_answer(state: ServerState, body: dict[str, Any], salt: str, priority: int
+                           ) -> dict[str, Any]:
+    """The response a plain request with this body gets (for the batch queue)."""
+    return await answer_for_batch(state, body, salt, priority, parse_responses_request, _start)
 
 
 async def get_response(request: Request) -> Response:

@@ -159,7 +159,7 @@ def test_bad_create_requests(client):
                               completion_window="24h")
     assert e.value.body["param"] == "input_file_id"
     with pytest.raises(openai.BadRequestError) as e:
-        client.batches.create(input_file_id=f.id, endpoint="/v1/embeddings",
+        client.batches.create(input_file_id=f.id, endpoint="/v1/moderations",
                               completion_window="24h")
     assert e.value.body["param"] == "endpoint"
     with pytest.raises(openai.NotFoundError):

@@ -97,3 +97,33 @@ def test_seeded_request_is_the_same_cold_cached_batched_and_chunked(real_server,
     assert cached[:2] == cold[:2]
     assert batched[:2] == cold[:2]
     assert chunked[:2] == cold[:2]
+
+
+def test_every_protocol_gives_the_same_greedy_answer(client, real_server):
+    """Chat, Responses and Anthropic Messages render the same messages through the same
+    template, so a greedy answer is the same tokens whichever SDK asks (no margin needed:
+    the same computation, not a guess of the model's answer)."""
+    from anthropic import Anthropic
+
+    system, question = "You are a helpful assistant.", "Name the capital of France."
+    chat = client.chat.completions.create(
+        model="smollm2-135m", max_tokens=24, temperature=0,
+        messages=[{"role": "system", "content": system}, {"role": "user", "content": question}])
+    responses = client.responses.create(model="smollm2-135m", instructions=system,
+                                        input=question, max_output_tokens=24, temperature=0)
+    with Anthropic(base_url=real_server.url, api_key="unused", max_retries=0) as a:
+        message = a.messages.create(model="smollm2-135m", max_tokens=24, system=system,
+                                    messages=[{"role": "user", "content": question}],
+                                    extra_body={"temperature": 0})
+    text = chat.choices[0].message.content
+    assert "Paris" in text
+    assert responses.output_text == text and message.content[0].text == text
+    assert responses.usage.output_tokens == message.usage.output_tokens \
+        == chat.usage.completion_tokens
+
+
+def test_real_model_embeddings_are_unit_vectors_of_its_width(client):
+    r = client.embeddings.create(model="smollm2-135m", input=["Paris is in France.",
+                                                              "Madrid is in Spain."])
+    assert [len(d.embedding) for d in r.data] == [576, 576]  # SmolLM2-135M's hidden size
+    assert all(abs(sum(x * x for x in d.embedding) - 1) < 1e-4 for d in r.data)
