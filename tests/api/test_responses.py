@@ -161,3 +161,34 @@ def test_bad_requests_name_the_field(client):
         with pytest.raises(openai.BadRequestError) as e:
             client.responses.create(model=MODEL, **kwargs)
         assert e.value.body["param"] == param, (kwargs, e.value.body)
+
+
+def batch_tokens(server) -> tuple[int, int]:
+    rows = httpx.get(f"{server.url}/v1/usage", headers=server.headers, timeout=10).json()["data"]
+    return (sum(r["prompt_tokens"] for r in rows if r["kind"] == "batch"),
+            sum(r["completion_tokens"] for r in rows if r["kind"] == "batch"))
+
+
+def test_responses_through_the_batch_api(client, server):
+    from tests.api.test_batches import jsonl, read_lines, wait
+
+    before = batch_tokens(server)
+    bodies = [{"model": MODEL, "input": f"Question {i}", "max_output_tokens": 6,
+               "temperature": 0, "store": False} for i in range(3)]
+    lines = [{"custom_id": f"r-{i}", "method": "POST", "url": "/v1/responses", "body": b}
+             for i, b in enumerate(bodies)]
+    f = client.files.create(file=("input.jsonl", jsonl(lines)), purpose="batch")
+    b = wait(client, client.batches.create(input_file_id=f.id, endpoint="/v1/responses",
+                                           completion_window="24h").id)
+    assert b.status == "completed" and b.request_counts.completed == 3
+    out = {x["custom_id"]: x["response"]["body"] for x in read_lines(client, b.output_file_id)}
+    for i, body in enumerate(bodies):
+        interactive = client.responses.create(**body)
+        batched = out[f"r-{i}"]
+        assert batched["object"] == "response"
+        assert batched["output"][0]["content"][0]["text"] == interactive.output_text
+        assert batched["usage"]["output_tokens"] == interactive.usage.output_tokens
+    # The lines' usage (Responses' input/output token names) counts as batch usage.
+    after = batch_tokens(server)
+    assert after[0] - before[0] == sum(out[k]["usage"]["input_tokens"] for k in out)
+    assert after[1] - before[1] == sum(out[k]["usage"]["output_tokens"] for k in out)
