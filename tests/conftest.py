@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import hf_model, save_hf_folder
+from tests.helpers import hf_model, pull_into, save_hf_folder
 
 
 @pytest.fixture(scope="session")
@@ -20,15 +20,8 @@ def real_home() -> Path:
 @pytest.fixture(scope="session")
 def tiny_home(tmp_path_factory):
     """$LOCALSERVE_HOME holding `tiny:bf16` (a 2-layer Llama, 4,096-token context)."""
-    from cli.main import main
-
     home = tmp_path_factory.mktemp("api-home")
     folder = save_hf_folder(hf_model("llama", seed=3, max_position_embeddings=4096),
                             tmp_path_factory.mktemp("hf") / "tiny")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("LOCALSERVE_HOME", str(home))
-    try:
-        assert main(["pull", str(folder), "--bits", "16"]) == 0
-    finally:
-        mp.undo()
+    pull_into(home, folder)
     return home

@@ -84,6 +84,20 @@ def save_hf_folder(model, path: Path) -> Path:
     return path
 
 
+def pull_into(home: Path, folder: Path, bits: int = 16) -> None:
+    """`localserve pull FOLDER --bits BITS` into the store of $LOCALSERVE_HOME=home."""
+    import pytest
+
+    from cli.main import main
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("LOCALSERVE_HOME", str(home))
+    try:
+        assert main(["pull", str(folder), "--bits", str(bits)]) == 0
+    finally:
+        mp.undo()
+
+
 def our_config(model):
     from server.models.config import ModelConfig
 

@@ -15,7 +15,7 @@ from torch.nn import functional as F
 from tests.api.conftest import API_KEY, MODEL
 from tests.api.server import own_server
 from tests.api.test_batches import jsonl, read_lines, wait
-from tests.helpers import hf_config, make_tokenizer
+from tests.helpers import hf_config, make_tokenizer, pull_into
 
 TEXTS = ["The sea is calm tonight.", "A cat sat on the mat.", "Hello", "Embeddings!"]
 
@@ -107,8 +107,6 @@ def embedder(tmp_path_factory):
     served. Yields (server, the transformers backbone)."""
     from transformers import AutoModel
 
-    from cli.main import main
-
     torch.manual_seed(5)
     hf = AutoModel.from_config(hf_config("qwen3", tie_word_embeddings=True),
                                dtype=torch.float32).eval()
@@ -132,12 +130,7 @@ def embedder(tmp_path_factory):
         {"idx": 2, "name": "2", "path": "2_Normalize",
          "type": "sentence_transformers.models.Normalize"}]))
     home = tmp_path_factory.mktemp("embed-home")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("LOCALSERVE_HOME", str(home))
-    try:
-        assert main(["pull", str(folder), "--bits", "16"]) == 0
-    finally:
-        mp.undo()
+    pull_into(home, folder)
     proc = own_server(home, tmp_path_factory.mktemp("embed-server"),
                       ["tiny-embed:bf16", "--dtype", "fp32"])
     yield proc, hf
