@@ -15,7 +15,15 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from server.api import anthropic_messages, batches, embeddings, files, metrics, responses
+from server.api import (
+    anthropic_messages,
+    batches,
+    dashboard,
+    embeddings,
+    files,
+    metrics,
+    responses,
+)
 from server.api.auth import AuthMiddleware
 from server.api.batch_worker import BatchWorker
 from server.api.chat import create_chat_completion
@@ -33,14 +41,16 @@ log = logging.getLogger("localserve")
 
 
 async def health(request: Request) -> Response:
+    """Public: the state, and whether /v1 needs a key (the dashboard asks for one first)."""
     state: ServerState = request.app.state.server
+    auth = {"auth_required": bool(state.settings.api_keys)}
     if state.draining:
-        return JSONResponse({"status": "draining"}, status_code=503)
+        return JSONResponse({"status": "draining"} | auth, status_code=503)
     if state.engine is None:
         status = {"status": "error", "error": state.load_error} if state.load_error else {
             "status": "loading"}
-        return JSONResponse(status, status_code=503)
-    return JSONResponse({"status": "ok", "model": state.served_name})
+        return JSONResponse(status | auth, status_code=503)
+    return JSONResponse({"status": "ok", "model": state.served_name} | auth)
 
 
 async def prometheus(request: Request) -> Response:
@@ -101,7 +111,7 @@ def load_into(state: ServerState) -> None:
         torch.set_num_threads(s.threads)
     stored = ModelStore().resolve(s.model)
     engine = load_engine(stored, s.engine, s.device, s.dtype)
-    state.attach(engine, stored.name, stored.manifest.get("pooling"))
+    state.attach(engine, stored.name, stored.manifest)
 
 
 def kv_summary(stats: dict, config) -> str:
@@ -136,7 +146,9 @@ def create_app(settings: ServerSettings, state: ServerState | None = None) -> St
             state.worker.start()
 
         task = asyncio.create_task(load())
+        sampler = asyncio.create_task(dashboard.sample_throughput(state))
         yield
+        sampler.cancel()
         if not task.done():
             task.cancel()
         if state.worker is not None:
@@ -147,6 +159,9 @@ def create_app(settings: ServerSettings, state: ServerState | None = None) -> St
         state.db.close()
 
     routes = [
+        Route("/", dashboard.index, methods=["GET"]),
+        Route("/static/{name}", dashboard.static_file, methods=["GET"]),
+        Route("/v1/dashboard/state", dashboard.dashboard_state, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", prometheus, methods=["GET"]),
         Route("/v1/models", list_models, methods=["GET"]),

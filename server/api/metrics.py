@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import bisect
-from collections import Counter
+import time
+from collections import Counter, deque
 from typing import Any
 
 from server.engine.sequence import PRIORITY_INTERACTIVE
@@ -16,15 +17,34 @@ FINISH_REASONS = ("stop", "length", "abort")
 E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 
 
+RECENT_SECONDS = 300.0  # the dashboard's percentiles: the last five minutes...
+RECENT_SAMPLES = 4096  # ...or this many observations, whichever is fewer
+THROUGHPUT_SAMPLES = 150  # the dashboard's tokens/s: five minutes of samples 2 s apart
+
+
 class Histogram:
+    """Prometheus buckets since start, and the recent observations themselves (for exact
+    percentiles of the last minutes)."""
+
     def __init__(self, buckets: tuple[float, ...]) -> None:
         self.buckets = buckets
         self.counts = [0] * (len(buckets) + 1)  # the last is +Inf
         self.sum = 0.0
+        self.recent: deque[tuple[float, float]] = deque(maxlen=RECENT_SAMPLES)  # (time, v)
 
     def observe(self, v: float) -> None:
         self.counts[bisect.bisect_left(self.buckets, v)] += 1
         self.sum += v
+        self.recent.append((time.monotonic(), v))
+
+    def recent_percentiles(self, *qs: float) -> list[float | None]:
+        """Percentiles (nearest rank) of the recent observations; None when there are none."""
+        since = time.monotonic() - RECENT_SECONDS
+        values = sorted(v for t, v in self.recent if t >= since)
+        if not values:
+            return [None] * len(qs)
+        return [values[min(len(values) - 1, max(0, int(q * len(values) + 0.5) - 1))]
+                for q in qs]
 
     def lines(self, name: str) -> list[str]:
         out, total = [], 0
@@ -44,6 +64,28 @@ class ApiMetrics:
         self.e2e = Histogram(E2E_BUCKETS)
         self.finished: Counter[str] = Counter()  # by finish reason
         self.num_rejected = 0  # 429s
+
+
+class Throughput:
+    """Generated and prompt tokens per second, interactive and batch, over the last minutes."""
+
+    def __init__(self) -> None:
+        self.samples: deque[dict[str, Any]] = deque(maxlen=THROUGHPUT_SAMPLES)
+        self._last: tuple[float, dict[str, int]] | None = None
+
+    def observe(self, now: float, stats: dict[str, Any]) -> None:
+        """Turn the engine's running totals into rates since the previous observation."""
+        generated = stats["generation_tokens"]
+        totals = {"interactive": sum(n for p, n in generated.items()
+                                     if p <= PRIORITY_INTERACTIVE),
+                  "batch": sum(n for p, n in generated.items() if p > PRIORITY_INTERACTIVE),
+                  "prompt": sum(stats["prompt_tokens"].values())}
+        if self._last is not None:
+            then, before = self._last
+            dt = max(now - then, 1e-9)
+            self.samples.append({"t": round(now, 3)} | {
+                k: round((totals[k] - before[k]) / dt, 2) for k in totals})
+        self._last = (now, totals)
 
 
 def kind(priority: int) -> str:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from server.api.errors import APIError, invalid, model_not_found
-from server.api.metrics import ApiMetrics
+from server.api.metrics import ApiMetrics, Throughput
 from server.api.usage import Prices, UsageMeter
 from server.engine.async_engine import AsyncEngine
 from server.engine.engine import ConfigError, EngineConfig, at_least
@@ -71,12 +71,14 @@ class ServerState:
         self.num_http_inflight = 0  # requests inside the app (SIGTERM waits for 0)
         self.num_pending = 0  # generation requests admitted and not finished
         self.metrics = ApiMetrics()
+        self.throughput = Throughput()  # tokens/s samples for the dashboard
         self.usage = UsageMeter()
         self._usage_writer: asyncio.Task | None = None
         self.created = int(time.time())
         self.vocab_size = 0
         self.max_request_tokens = 0  # prompt + completion tokens one sequence may hold
         self.pooling: dict[str, Any] | None = None  # an embedding model's pooling
+        self.manifest: dict[str, Any] = {}  # the loaded model's (bits, architecture...)
         home = settings.home or home_dir()
         self.db = Database(home / "localserve.db")
         self.files = FileStore(self.db, home / "files")
@@ -117,10 +119,11 @@ class ServerState:
             log.exception("writing usage failed")
 
     def attach(self, engine: AsyncEngine, served_name: str,
-               pooling: dict[str, Any] | None = None) -> None:
-        """The loaded model; `pooling`: an embedding model's (its manifest's), else None."""
+               manifest: dict[str, Any] | None = None) -> None:
+        """The loaded model, with its store manifest (bits, pooling...) when it has one."""
         self.engine, self.tokenizer, self.served_name = engine, engine.tokenizer, served_name
-        self.pooling = pooling
+        self.manifest = manifest or {}
+        self.pooling = self.manifest.get("pooling")  # an embedding model's, else None
         self.vocab_size = engine.vocab_size
         self.max_request_tokens = engine.max_request_tokens
         self.grammars = GrammarCompiler(engine.tokenizer, engine.vocab_size,

@@ -78,7 +78,7 @@ async def test_before_the_model_is_ready_health_and_requests_are_503(tmp_path):
     transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
     async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
         r = await client.get("/health")
-        assert (r.status_code, r.json()) == (503, {"status": "loading"})
+        assert (r.status_code, r.json()) == (503, {"status": "loading", "auth_required": False})
         r = await client.post("/v1/chat/completions", json=BODY)
         assert r.status_code == 503 and r.headers["retry-after"] == "2"
         assert r.json()["error"]["code"] == "model_not_ready"

@@ -95,7 +95,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_cleanly(small_server):
         late = client.post("/v1/chat/completions", json=LONG | {"max_tokens": 1})
         assert late.status_code == 503 and late.json()["error"]["code"] == \
             "server_shutting_down"
-        assert client.get("/health").json() == {"status": "draining"}
+        assert client.get("/health").json() == {"status": "draining", "auth_required": False}
         events = [line[len("data: "):] for line in lines if line.startswith("data:")]
         r.close()
     assert events[-1] == "[DONE]"
