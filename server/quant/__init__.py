@@ -72,7 +72,8 @@ def apply_quantization(model: nn.Module, schemes: dict[str, dict[str, Any]]) -> 
 
 def prepare_quantized(model: nn.Module, use_kernels: bool = True) -> None:
     """Let each quantized module pick its kernel for its final device. A tied embedding whose
-    LM head moved to avx512_gemm.c's layout then reads its rows from that layout: one copy."""
+    LM head moved to our kernels' layout (cpu_gemm.py) then reads its rows from that layout:
+    one copy."""
     embeddings = {id(m.weight): m for m in model.modules() if isinstance(m, Int8Embedding)}
     for module in model.modules():
         if isinstance(module, Int4Linear | Int8Linear):

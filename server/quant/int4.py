@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-import server.quant.avx512_gemm as avx512_gemm
+import server.quant.cpu_gemm as cpu_gemm
 import server.quant.native as native
 from server.quant.rows import PACKED_TILE, RowSplit, kernel_rows_independent, rows_mm, tiled_rows
 
@@ -81,7 +81,7 @@ class Int4Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.kernel_weight: torch.Tensor | None = None  # tinygemm layout, when a kernel applies
         self.scales_and_zeros: torch.Tensor | None = None  # [K/g, N, 2] in KERNEL_DTYPE
-        # Or, on a CPU that avx512_gemm.c serves: the weight in its layout.
+        # Or, on a CPU our kernels serve (cpu_gemm.py): the weight in their layout.
         self.q4x32: torch.Tensor | None = None
         self.tiled = False  # the CPU kernel's rows depend on each other here: call it in tiles
 
@@ -101,9 +101,9 @@ class Int4Linear(nn.Module):
             self.kernel_weight = self.scales_and_zeros = None
             return
         q = unpack_int4(self.weight)
-        if device.type == "cpu" and avx512_gemm.takes(self.out_features, self.in_features,
+        if device.type == "cpu" and cpu_gemm.takes(self.out_features, self.in_features,
                                                       self.group_size):
-            self.q4x32 = avx512_gemm.pack_int4(q, self.weight_scale, self.weight_zero,
+            self.q4x32 = cpu_gemm.pack_int4(q, self.weight_scale, self.weight_zero,
                                                self.group_size)
             self.weight = self.weight_scale = self.weight_zero = None
             return
@@ -125,7 +125,7 @@ class Int4Linear(nn.Module):
         self.weight = self.weight_scale = self.weight_zero = None
 
     def forward(self, x: torch.Tensor, rows: RowSplit | None = None) -> torch.Tensor:
-        if (self.q4x32 is not None and not avx512_gemm.PROMPTS_UNPACKED
+        if (self.q4x32 is not None and not cpu_gemm.PROMPTS_UNPACKED
                 and x.dtype == KERNEL_DTYPE and x.dim() == 2):
             y = self._kernel(x)  # every row takes the kernel: the short way
             return y if self.bias is None else y + self.bias
@@ -151,10 +151,10 @@ class Int4Linear(nn.Module):
 
     def _kernel(self, x2: torch.Tensor) -> torch.Tensor:
         if self.q4x32 is not None:
-            y = avx512_gemm.gemm(x2, self.q4x32, self.group_size)
+            y = cpu_gemm.gemm(x2, self.q4x32, self.group_size)
             if y is not None:
                 return y
-            raise RuntimeError("avx512_gemm.c declined a layer it was built for")
+            raise RuntimeError("cpu_gemm declined a layer it was built for")
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             x2, self.kernel_weight, self.group_size, self.scales_and_zeros)
 
@@ -170,7 +170,7 @@ class Int4Linear(nn.Module):
     def unpacked_numel(self) -> int:
         """How many bf16 values unpack_into writes (rows.py); 0 when it cannot."""
         if self.q4x32 is not None:
-            can = avx512_gemm.PROMPTS_UNPACKED
+            can = cpu_gemm.PROMPTS_UNPACKED
         else:
             can = (self.kernel_weight is not None and self.kernel_weight.device.type == "cpu"
                    and self._unpacker() is not None)
@@ -194,7 +194,7 @@ class Int4Linear(nn.Module):
         if out is None:
             out = torch.empty(k, n, dtype=KERNEL_DTYPE)
         if self.q4x32 is not None:
-            return avx512_gemm.unpack_t(self.q4x32, self.group_size, out)
+            return cpu_gemm.unpack_t(self.q4x32, self.group_size, out)
         unpack = self._unpacker()
         if unpack is None:
             return None

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-import server.quant.avx512_gemm as avx512_gemm
+import server.quant.cpu_gemm as cpu_gemm
 from server.quant.rows import PACKED_TILE, RowSplit, kernel_rows_independent, rows_mm, tiled_rows
 
 
@@ -40,7 +40,7 @@ class Int8Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.kernel_scale: torch.Tensor | None = None  # [N] bf16, set when the kernel applies
         self.tiled = False  # the CPU kernel's rows depend on each other here: call it in tiles
-        # On a CPU that avx512_gemm.c serves: the weight in its layout, and fp32 row scales.
+        # On a CPU our kernels serve (cpu_gemm.py): the weight in their layout, and fp32 row scales.
         self.q8: torch.Tensor | None = None
         self.q8_scale: torch.Tensor | None = None
 
@@ -50,10 +50,10 @@ class Int8Linear(nn.Module):
             return  # already converted
         on_cpu = self.weight.device.type == "cpu"
         self.kernel_scale = self.weight_scale.bfloat16() if use_kernel and on_cpu else None
-        if self.kernel_scale is not None and avx512_gemm.takes(self.out_features,
+        if self.kernel_scale is not None and cpu_gemm.takes(self.out_features,
                                                                self.in_features):
             # Its own copy; the stored one goes (a tied embedding keeps reading it).
-            self.q8, self.q8_scale = avx512_gemm.pack_int8(self.weight), self.weight_scale.float()
+            self.q8, self.q8_scale = cpu_gemm.pack_int8(self.weight), self.weight_scale.float()
             self.weight = None
             return
         self.tiled = self.kernel_scale is not None and not kernel_rows_independent(
@@ -75,10 +75,10 @@ class Int8Linear(nn.Module):
         return F.linear(x, w, self.bias)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """As an LM head: fp32 [N, out]. avx512_gemm.c hands them over unrounded (bf16 logits
+        """As an LM head: fp32 [N, out]. our kernels hand them over unrounded (bf16 logits
         are 0.06-0.125 apart at the real model's magnitudes: near ties became exact ties)."""
         if self.q8 is not None and x.dim() == 2 and self.bias is None:
-            y = avx512_gemm.gemm_int8(x.to(torch.bfloat16), self.q8, self.q8_scale,
+            y = cpu_gemm.gemm_int8(x.to(torch.bfloat16), self.q8, self.q8_scale,
                                       out_dtype=torch.float32)
             if y is not None:
                 return y
@@ -91,9 +91,9 @@ class Int8Linear(nn.Module):
 
     def _kernel(self, x2: torch.Tensor) -> torch.Tensor:
         if self.q8 is not None:
-            y = avx512_gemm.gemm_int8(x2, self.q8, self.q8_scale)
+            y = cpu_gemm.gemm_int8(x2, self.q8, self.q8_scale)
             if y is None:
-                raise RuntimeError("avx512_gemm.c declined a layer it was built for")
+                raise RuntimeError("cpu_gemm declined a layer it was built for")
             return y
         return torch.ops.aten._weight_int8pack_mm(x2, self.weight, self.kernel_scale)
 
@@ -106,7 +106,7 @@ class Int8Linear(nn.Module):
         transposed view, which the GEMM takes as it is (3x the kernel's speed at 512 rows)."""
         w = flat[: self.in_features * self.out_features].view(self.out_features, self.in_features)
         if self.q8 is not None:
-            avx512_gemm.unpack_int8_into(self.q8, self.kernel_scale, w)
+            cpu_gemm.unpack_int8_into(self.q8, self.kernel_scale, w)
         else:
             torch.mul(self.weight, self.kernel_scale[:, None], out=w)
         return w.t()
@@ -129,14 +129,14 @@ class Int8Embedding(nn.Module):
         shape = (num_embeddings, embedding_dim)
         self.register_buffer("weight", torch.empty(shape, dtype=torch.int8))
         self.register_buffer("weight_scale", torch.empty(num_embeddings))
-        self.q8: torch.Tensor | None = None  # the tied LM head's avx512_gemm layout, if it has one
+        self.q8: torch.Tensor | None = None  # the tied LM head's cpu_gemm layout, if it has one
 
     def read_from(self, q8: torch.Tensor) -> None:
-        """Look rows up in the LM head's avx512_gemm layout and drop the plain copy."""
+        """Look rows up in the LM head's cpu_gemm layout and drop the plain copy."""
         self.q8, self.weight = q8, None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = self.weight[ids] if self.q8 is None else avx512_gemm.int8_rows(self.q8, ids)
+        rows = self.weight[ids] if self.q8 is None else cpu_gemm.int8_rows(self.q8, ids)
         rows = rows.to(self.weight_scale.dtype)  # [..., H]
         return rows * self.weight_scale[ids].unsqueeze(-1)
 

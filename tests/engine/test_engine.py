@@ -234,15 +234,15 @@ def test_prompt_rows_give_the_same_logprobs_however_they_are_computed(llama_quan
                                                                      prompts_unpacked,
                                                                      monkeypatch):
     """int4/int8 layers send prompt rows through a bf16 GEMM on the unpacked weight and
-    generated rows through the packed kernel (or, with avx512_gemm.c and no AMX, every row through
+    generated rows through the packed kernel (or, with our kernels and no AMX, every row through
     the kernel), whatever shares the step: a prompt computed whole, in chunks of 16, from the
     prefix cache or among decoding sequences gives the same logprobs bit for bit (with a
     row-count threshold instead, the cached run's tail took the other kernel and real-model
     greedy text diverged)."""
-    from server.quant import avx512_gemm
+    from server.quant import cpu_gemm
     from server.quant.int4 import checked_unpack
 
-    monkeypatch.setattr(avx512_gemm, "PROMPTS_UNPACKED", prompts_unpacked)
+    monkeypatch.setattr(cpu_gemm, "PROMPTS_UNPACKED", prompts_unpacked)
     llama_int4 = llama_quantized
     layers = [m for m in llama_int4.modules() if hasattr(m, "unpacked_numel")]
     if any(type(m).__name__ == "Int4Linear" for m in layers):

@@ -110,34 +110,97 @@ def test_int4_kernel_matches_reference(rows):
     assert (got - ref).abs().max() < 0.02 * ref.abs().max()
 
 
-AVX512_BF16 = "avx512_bf16" in cpu_flags()
-needs_avx512_bf16 = pytest.mark.skipif(not AVX512_BF16,
-                                       reason="avx512_gemm.c is for CPUs with AVX-512 BF16")
+FLAGS = cpu_flags()
+# The kernels this CPU can run: its own kind and those below it (an AVX-512 machine runs
+# avx2_gemm.c too, so the AVX2 kernels are tested wherever CI runs).
+KERNEL_KINDS = [k for k, need in (("avx512_bf16", {"avx512_bf16", "avx512bw"}),
+                                  ("avx2", {"avx2", "fma", "f16c"})) if need <= FLAGS]
 
 
-def test_avx512_gemm_serves_exactly_the_cpus_with_avx512_bf16():
-    """With a C compiler (the project's machines and CI have one) the kernels are built and pass
-    their check where the CPU has AVX-512 BF16, and stand aside elsewhere (AVX2: PyTorch's)."""
-    from server.quant import avx512_gemm
+def test_our_kernels_serve_every_cpu_with_avx2_or_avx512_bf16():
+    """With a C compiler (the project's machines and CI have one) the kernels of the CPU's kind
+    are built and pass their check: avx512_gemm.c with AVX-512 BF16, avx2_gemm.c with AVX2 + FMA
+    only; PyTorch's elsewhere."""
+    from server.quant import cpu_gemm
 
-    assert (avx512_gemm.checked() is not None) == AVX512_BF16
+    assert (KERNEL_KINDS[0] if KERNEL_KINDS else None) == cpu_gemm.kind_for(FLAGS)
+    assert cpu_gemm._kind() == cpu_gemm.KIND  # the CPU's, unless LOCALSERVE_CPU_KERNELS says
+    assert (cpu_gemm.checked() is not None) == (cpu_gemm.KIND is not None)
+    assert all(cpu_gemm.of_kind(kind) is not None for kind in KERNEL_KINDS)
     layer = Int4Linear(64, 32, 32)
     q, scale, zero = quantize_int4(torch.randn(32, 64) * 0.05, 32)
     layer.weight, layer.weight_scale, layer.weight_zero = pack_int4(q), scale, zero
     layer.prepare(use_kernel=True)
-    assert (layer.q4x32 is not None) == AVX512_BF16
-    assert (layer.kernel_weight is not None) != AVX512_BF16
+    assert (layer.q4x32 is not None) == (cpu_gemm.KIND is not None)
+    assert (layer.kernel_weight is not None) != (cpu_gemm.KIND is not None)
 
 
-@pytest.fixture(params=["q4x32", "tinygemm"] if AVX512_BF16 else ["tinygemm"])
-def int4_layout(request, monkeypatch):
-    """Each CPU int4 layout this machine has: avx512_gemm.c's (with AVX-512 BF16) and PyTorch's
-    tinygemm pack (everywhere)."""
-    from server.quant import avx512_gemm
+def test_the_kernel_kind_follows_the_cpu_and_can_be_forced_down_only(monkeypatch, caplog):
+    from server.quant import cpu_gemm, native
 
-    if request.param == "tinygemm":
-        monkeypatch.setattr(avx512_gemm, "_state", [None])
+    avx512 = {"avx2", "fma", "f16c", "avx512_bf16", "avx512bw"}
+    assert cpu_gemm.kind_for(avx512) == "avx512_bf16"
+    assert cpu_gemm.kind_for({"avx2", "fma", "f16c"}) == "avx2"
+    assert cpu_gemm.kind_for({"avx", "sse4_2"}) is None
+    monkeypatch.setattr(native, "cpu_flags", lambda: avx512)
+    for asked, kind in (("", "avx512_bf16"), ("avx2", "avx2"), ("torch", None)):
+        monkeypatch.setenv("LOCALSERVE_CPU_KERNELS", asked)
+        assert cpu_gemm._kind() == kind
+    monkeypatch.setattr(native, "cpu_flags", lambda: {"avx2", "fma", "f16c"})
+    monkeypatch.setenv("LOCALSERVE_CPU_KERNELS", "avx512_bf16")
+    assert cpu_gemm._kind() == "avx2"  # the CPU cannot: ignored
+    assert "ignored" in caplog.text
+
+
+@pytest.mark.skipif("avx2" not in KERNEL_KINDS, reason="needs AVX2, FMA and F16C")
+def test_the_avx2_kernels_build_for_haswell_and_pass_their_check(tmp_path):
+    """avx2_gemm.c compiled for an AVX2-only CPU (-march=haswell: no AVX-512 registers or
+    instructions) passes the same check as the library the server loads."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    from server.quant import cpu_gemm
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    out = tmp_path / "avx2_gemm.so"
+    subprocess.run([cc, "-O3", "-march=haswell", "-ffp-contract=off", "-shared", "-fPIC",
+                    "-std=c11", "-fopenmp", "-o", str(out), str(cpu_gemm.SOURCES["avx2"]),
+                    "-lm"], check=True, capture_output=True)
+    disassembly = subprocess.run(["objdump", "-d", str(out)], capture_output=True, text=True)
+    assert disassembly.returncode != 0 or "zmm" not in disassembly.stdout
+    lib = ctypes.CDLL(str(out))
+    lib.avx2_gemm_available.restype = ctypes.c_int
+    assert lib.avx2_gemm_available() == 1
+    for name, argtypes in (("int4_gemm", [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4),
+                           ("int8_gemm", [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+                            + [ctypes.c_int]),
+                           ("int4_unpack_q4x32", [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 5)):
+        getattr(lib, name).restype = ctypes.c_int
+        getattr(lib, name).argtypes = argtypes
+    assert cpu_gemm._self_check(lib) is None
+
+
+@pytest.fixture(params=KERNEL_KINDS)
+def kernel_kind(request, monkeypatch):
+    """Each of our kernel libraries this CPU runs, as the one layers use."""
+    from server.quant import cpu_gemm
+
+    lib = cpu_gemm.of_kind(request.param)
+    assert lib is not None  # built and checked on this CPU
+    monkeypatch.setattr(cpu_gemm, "_state", [lib])
     return request.param
+
+
+@pytest.fixture(params=[*KERNEL_KINDS, "tinygemm"])
+def int4_layout(request, monkeypatch):
+    """Each CPU int4 layout this machine has: our kernels' (each kind it runs) and PyTorch's
+    tinygemm pack (everywhere)."""
+    from server.quant import cpu_gemm
+
+    lib = None if request.param == "tinygemm" else cpu_gemm.of_kind(request.param)
+    monkeypatch.setattr(cpu_gemm, "_state", [lib])
+    return "tinygemm" if lib is None else "q4x32"
 
 
 @pytest.mark.parametrize("rows", [64, 200])
@@ -146,11 +209,11 @@ def test_int4_rows_past_the_threshold_run_unpacked_bf16_gemm(rows, int4_layout, 
     """From UNPACK_MIN_ROWS rows the CPU layer unpacks its int4 layout to bf16 with a compiled
     helper and multiplies in bf16: the same numbers as a bf16 GEMM on the reference
     dequantization (tinygemm rounds scales to bf16 first), close to the packed kernel's.
-    (avx512_gemm.c's layout does so where prompts take the unpacked weights: AMX machines.)"""
-    from server.quant import avx512_gemm, int4, native
+    (Our kernels' layout does so where prompts take the unpacked weights: AMX machines.)"""
+    from server.quant import cpu_gemm, int4, native
 
     monkeypatch.setenv("LOCALSERVE_HOME", str(tmp_path))
-    monkeypatch.setattr(avx512_gemm, "PROMPTS_UNPACKED", True)
+    monkeypatch.setattr(cpu_gemm, "PROMPTS_UNPACKED", True)
     # The project's machines and CI have a C compiler (the helper is built, not skipped);
     # without one the packed kernel serves every row: test_native_helper_falls_back.
     assert native._load() is not None and int4.checked_unpack() is not None
@@ -174,14 +237,12 @@ def test_int4_rows_past_the_threshold_run_unpacked_bf16_gemm(rows, int4_layout, 
     assert (got.float() - packed.float()).abs().max() < 0.02 * packed.float().abs().max()
 
 
-@needs_avx512_bf16
-def test_int4_gemm_takes_every_row_where_prompts_are_not_unpacked(monkeypatch):
-    """Without AMX, avx512_gemm.c serves prompt rows too: no unpacked copy, inside an engine step
+def test_int4_gemm_takes_every_row_where_prompts_are_not_unpacked(kernel_kind, monkeypatch):
+    """Without AMX, our kernels serve prompt rows too: no unpacked copy, inside an engine step
     or outside, and each row the same as alone."""
-    from server.quant import avx512_gemm, rows
+    from server.quant import cpu_gemm, rows
 
-    assert avx512_gemm.checked() is not None  # built and checked on this CPU
-    monkeypatch.setattr(avx512_gemm, "PROMPTS_UNPACKED", False)
+    monkeypatch.setattr(cpu_gemm, "PROMPTS_UNPACKED", False)
     q, scale, zero = quantize_int4(torch.randn(128, 64) * 0.05, 32)
     layer = Int4Linear(64, 128, 32)
     layer.weight, layer.weight_scale, layer.weight_zero = pack_int4(q), scale, zero
@@ -194,14 +255,12 @@ def test_int4_gemm_takes_every_row_where_prompts_are_not_unpacked(monkeypatch):
     assert torch.equal(layer(x, split), alone)
 
 
-@needs_avx512_bf16
-def test_int8_layer_on_avx512_gemm_rows_are_independent_and_close_to_the_reference():
-    """An int8 layer on avx512_gemm.c (an LM head's shape, scaled down): each row the same bits
+def test_int8_layer_on_our_kernels_rows_are_independent_and_close_to_the_reference(
+        kernel_kind):
+    """An int8 layer on our kernels (an LM head's shape, scaled down): each row the same bits
     as alone, within bf16 rounding of the fp32 reference; its unpacked weight (prompt rows) the
     reference's bf16 weight exactly."""
-    from server.quant import avx512_gemm
 
-    assert avx512_gemm.checked() is not None  # built and checked on this CPU
     torch.manual_seed(5)
     q, scale = quantize_int8(torch.randn(4096, 576))
     layer = Int8Linear(576, 4096)
@@ -225,13 +284,11 @@ def test_int8_layer_on_avx512_gemm_rows_are_independent_and_close_to_the_referen
     assert all(torch.equal(layer.logits(x[i:i + 1])[0], logits[i]) for i in range(37))
 
 
-@needs_avx512_bf16
-def test_a_tied_embedding_reads_its_heads_layout():
-    """With avx512_gemm.c the LM head gets its own layout; the tied embedding then looks its
+def test_a_tied_embedding_reads_its_heads_layout(kernel_kind):
+    """With our kernels the LM head gets its own layout; the tied embedding then looks its
     rows up there (one copy of the table, not two) and gives the same vectors."""
-    from server.quant import avx512_gemm, prepare_quantized
+    from server.quant import prepare_quantized
 
-    assert avx512_gemm.checked() is not None  # built and checked on this CPU
     torch.manual_seed(6)
     q, scale = quantize_int8(torch.randn(320, 64))
     model = torch.nn.Module()
@@ -246,20 +303,18 @@ def test_a_tied_embedding_reads_its_heads_layout():
     assert torch.equal(before, q[ids].float() * scale[ids].unsqueeze(-1))
 
 
-@needs_avx512_bf16
-def test_int4_gemm_rows_are_independent_and_close_to_the_reference():
-    """avx512_gemm.c at every row count up to past its blocks of 4 rows, with the real model's
+def test_int4_gemm_rows_are_independent_and_close_to_the_reference(kernel_kind):
+    """Our kernels at every row count up to past their blocks of 4 and 6 rows, with the real model's
     group size and widths: each row the same bits as alone, within bf16 rounding of fp32."""
-    from server.quant import avx512_gemm
+    from server.quant import cpu_gemm
 
-    assert avx512_gemm.checked() is not None  # built and checked on this CPU
     torch.manual_seed(4)
     q, scale, zero = quantize_int4(torch.randn(1536, 576) * 0.05, 32)
-    layout = avx512_gemm.pack_int4(q, scale, zero, 32)
+    layout = cpu_gemm.pack_int4(q, scale, zero, 32)
     x = torch.randn(37, 576).bfloat16()
-    alone = torch.cat([avx512_gemm.gemm(x[i:i + 1], layout, 32) for i in range(37)])
+    alone = torch.cat([cpu_gemm.gemm(x[i:i + 1], layout, 32) for i in range(37)])
     for m in (1, 2, 3, 4, 5, 8, 9, 16, 33, 37):
-        assert torch.equal(avx512_gemm.gemm(x[:m], layout, 32), alone[:m]), m
+        assert torch.equal(cpu_gemm.gemm(x[:m], layout, 32), alone[:m]), m
     want = x.float() @ dequantize_int4(q, scale, zero, 32).t()
     assert (alone.float() - want).abs().max() < 0.01 * want.abs().max()
 
@@ -275,14 +330,14 @@ def test_native_helper_can_be_turned_off(monkeypatch):
 def test_native_helper_falls_back(cc, tmp_path, monkeypatch):
     """No compiler, or one that fails: no helper, and an int4 layer still answers every row
     with the packed kernel (inside an engine step too)."""
-    from server.quant import avx512_gemm, int4, native, rows
+    from server.quant import cpu_gemm, int4, native, rows
 
     monkeypatch.setenv("LOCALSERVE_HOME", str(tmp_path))
     monkeypatch.setenv("CC", cc)
-    assert native._open(avx512_gemm.SOURCE) is None
+    assert native._open(cpu_gemm.SOURCE) is None
     assert native._load() is None
     monkeypatch.setattr(int4, "_checked", [None])  # what checked_unpack caches without one
-    monkeypatch.setattr(avx512_gemm, "_state", [None])  # and avx512_gemm.checked
+    monkeypatch.setattr(cpu_gemm, "_state", [None])  # and cpu_gemm.checked
     torch.manual_seed(2)
     q, scale, zero = quantize_int4(torch.randn(128, 64) * 0.05, 32)
     layer = Int4Linear(64, 128, 32)
@@ -302,10 +357,10 @@ def test_int4_rows_take_their_kinds_path_wherever_they_sit(prompt_rows, int4_lay
     """In a step mixing kinds each row gets exactly what it would alone: prompt rows the bf16
     GEMM, generated rows the packed kernel (prompt rows first, last, scattered, none), with the
     engine's kept copies or without."""
-    from server.quant import avx512_gemm, rows
+    from server.quant import cpu_gemm, rows
 
     monkeypatch.setenv("LOCALSERVE_HOME", str(tmp_path))
-    monkeypatch.setattr(avx512_gemm, "PROMPTS_UNPACKED", True)
+    monkeypatch.setattr(cpu_gemm, "PROMPTS_UNPACKED", True)
     torch.manual_seed(1)
     q, scale, zero = quantize_int4(torch.randn(128, 64) * 0.05, 32)
     layer = Int4Linear(64, 128, 32)
@@ -349,9 +404,9 @@ def test_a_packed_kernel_whose_rows_depend_on_each_other_is_called_in_tiles(monk
     for m in (1, 5, 16, 17, 40):
         assert torch.equal(rows.tiled_rows(dependent, x[:m], rows.PACKED_TILE), alone[:m])
     monkeypatch.setattr(rows, "_independent", {"int8": False})
-    from server.quant import avx512_gemm
+    from server.quant import cpu_gemm
 
-    monkeypatch.setattr(avx512_gemm, "_state", [None])  # PyTorch's int8 kernel, then
+    monkeypatch.setattr(cpu_gemm, "_state", [None])  # PyTorch's int8 kernel, then
     q, scale = quantize_int8(torch.randn(96, 64))
     layer = Int8Linear(64, 96)
     layer.weight, layer.weight_scale = q, scale

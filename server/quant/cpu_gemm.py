@@ -1,5 +1,5 @@
-"""The AVX-512 BF16 kernels (avx512_gemm.c) for CPU int4 and int8 layers, where the machine
-has them.
+"""Our CPU kernels for int4 and int8 layers: avx512_gemm.c on AVX-512 BF16 CPUs (vdpbf16ps),
+avx2_gemm.c on AVX2 + FMA ones (fp32 FMAs); the same functions and layouts.
 
 PyTorch's CPU int4 and int8 kernels stream one row's weights at about half the memory bandwidth
 and slow down almost linearly with more rows (an int8 LM head of 49,152 x 576: 1.9 ms at one
@@ -9,14 +9,15 @@ beside their nibbles; `pack_int8`), so a layer holds either its layout or PyTorc
 
 It is used only after `checked()` passed on this machine: each kernel against the fp32
 reference within rounding, its rows the same alone and batched, and its unpacking to bf16 (for
-prompt rows) bit for bit the reference dequantization. Otherwise (no compiler, no AVX-512 BF16,
-LOCALSERVE_NO_NATIVE=1) layers keep PyTorch's kernel.
+prompt rows) bit for bit the reference dequantization. Otherwise (no compiler, neither
+instruction set, LOCALSERVE_NO_NATIVE=1) layers keep PyTorch's kernel.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import threading
 from pathlib import Path
 
@@ -26,18 +27,52 @@ import server.quant.native as native
 
 log = logging.getLogger("localserve")
 
-SOURCE = Path(__file__).with_name("avx512_gemm.c")
+SOURCES = {"avx512_bf16": Path(__file__).with_name("avx512_gemm.c"),
+           "avx2": Path(__file__).with_name("avx2_gemm.c")}
+
+
+def kind_for(flags: set[str]) -> str | None:
+    """The kernels a CPU with these flags takes (None: PyTorch's)."""
+    if {"avx512_bf16", "avx512bw"} <= flags:
+        return "avx512_bf16"
+    if {"avx2", "fma", "f16c"} <= flags:
+        return "avx2"
+    return None
+
+
+def _kind() -> str | None:
+    """This machine's kind, or the one LOCALSERVE_CPU_KERNELS names (`avx2` on an AVX-512
+    machine, `torch` for PyTorch's kernels: for comparisons; one the CPU lacks is ignored, with
+    a warning)."""
+    best = kind_for(native.cpu_flags())
+    asked = os.environ.get("LOCALSERVE_CPU_KERNELS")
+    if not asked:
+        return best
+    if asked == "torch":
+        return None
+    order = list(SOURCES)
+    if asked not in order or best is None or order.index(asked) < order.index(best):
+        runs = [*(order[order.index(best):] if best else []), "torch"]
+        log.warning("LOCALSERVE_CPU_KERNELS=%r ignored: this CPU runs %s", asked, runs)
+        return best
+    return asked
+
+
+KIND = _kind()
+SOURCE = SOURCES.get(KIND)  # this machine's source, or None
 BLOCK = 32  # outputs per block of the layout: a layer's out_features must be a multiple
 # Prompt rows: on AMX machines oneDNN's bf16 GEMM on the unpacked weight is several times this
 # kernel (AMX tiles); on AVX-512 BF16 without AMX the two are even at 16-64 rows (300-340
 # GFLOP/s on Zen 4, benchmarks/kernels.py) and this kernel needs no unpacked copy, so every
-# row takes it.
+# row takes it; on AVX2 oneDNN's bf16 GEMM is 4x slower than avx2_gemm.c at 64 rows (2.9 ms
+# against 0.73 ms for 1536 x 576, measured on Zen 4 limited to AVX2).
 PROMPTS_UNPACKED = "amx_bf16" in native.cpu_flags()
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _DTYPES = (torch.bfloat16, torch.float32)
 
 _lock = threading.Lock()
-_state: list = []  # [the checked library or None], once per process
+_state: list = []  # [this machine's checked library or None], once per process
+_by_kind: dict[str, object] = {}
 
 
 def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int) -> torch.Tensor:
@@ -129,22 +164,32 @@ def unpack_t(packed: torch.Tensor, group: int, out: torch.Tensor,
 
 
 def checked():
-    """The library if it is built for this machine and passed the checks, else None."""
+    """This machine's library if it is built and passed the checks, else None."""
     if not _state:
+        lib = of_kind(KIND) if KIND is not None else None
         with _lock:
             if not _state:
-                lib = _open()
-                problem = lib and _self_check(lib)
-                if problem:
-                    log.warning("avx512_gemm.c failed its check (%s); using PyTorch's kernel",
-                                problem)
-                _state.append(None if problem else lib)
+                _state.append(lib)
     return _state[0]
 
 
-def _open():
-    lib = native.library(SOURCE)
-    if lib is None or not lib.avx512_gemm_available():
+def of_kind(kind: str):
+    """The checked library of `kind` (a CPU can run the kinds below its own: the tests check
+    avx2_gemm.c on AVX-512 machines too), or None."""
+    with _lock:
+        if kind not in _by_kind:
+            lib = _open(SOURCES[kind])
+            problem = lib and _self_check(lib)
+            if problem:
+                log.warning("%s failed its check (%s); using PyTorch's kernel",
+                            SOURCES[kind].name, problem)
+            _by_kind[kind] = None if problem else lib
+        return _by_kind[kind]
+
+
+def _open(source: Path):
+    lib = native.library(source)
+    if lib is None or not getattr(lib, f"{source.stem}_available")():
         return None
     lib.int4_gemm.restype = lib.int4_unpack_q4x32.restype = lib.int8_gemm.restype = ctypes.c_int
     lib.int8_gemm.argtypes = [_P] * 4 + [_I] * 3 + [ctypes.c_int]
