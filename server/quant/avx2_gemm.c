@@ -64,8 +64,8 @@ static inline void store_bf16(uint16_t *dst, __m256 v) {
 
 /* Rows [0, r) against the half `hb` of one block (outputs 8hb..8hb+7 and 16+8hb..16+8hb+7). */
 static inline void half_block(const float *x, int64_t k, const float *xsum, int64_t groups,
-                              int64_t group, const uint8_t *blk, uint16_t *y, int64_t n,
-                              const int r, const int hb) {
+                              int64_t group, const uint8_t *blk, void *y, int64_t n,
+                              const int r, const int hb, const int out_fp32) {
     __m256 ya[ROWS], yb[ROWS];
     for (int i = 0; i < r; i++) ya[i] = yb[i] = _mm256_setzero_ps();
     const __m256i nibble = _mm256_set1_epi32(0xF);
@@ -101,25 +101,27 @@ static inline void half_block(const float *x, int64_t k, const float *xsum, int6
         }
     }
     for (int i = 0; i < r; i++) {
-        store_bf16(y + i * n + 8 * hb, ya[i]);
-        store_bf16(y + i * n + 16 + 8 * hb, yb[i]);
+        if (out_fp32) {
+            _mm256_storeu_ps((float *)y + i * n + 8 * hb, ya[i]);
+            _mm256_storeu_ps((float *)y + i * n + 16 + 8 * hb, yb[i]);
+        } else {
+            store_bf16((uint16_t *)y + i * n + 8 * hb, ya[i]);
+            store_bf16((uint16_t *)y + i * n + 16 + 8 * hb, yb[i]);
+        }
     }
 }
 
 static inline void block(const float *x, int64_t k, const float *xsum, int64_t groups,
-                         int64_t group, const uint8_t *blk, uint16_t *y, int64_t n,
-                         const int r) {
-    half_block(x, k, xsum, groups, group, blk, y, n, r, 0);
-    half_block(x, k, xsum, groups, group, blk, y, n, r, 1);
+                         int64_t group, const uint8_t *blk, void *y, int64_t n, const int r,
+                         const int out_fp32) {
+    half_block(x, k, xsum, groups, group, blk, y, n, r, 0, out_fp32);
+    half_block(x, k, xsum, groups, group, blk, y, n, r, 1, out_fp32);
 }
 
-/* x: bf16 [m, k]; y: bf16 [m, n]; xsum: fp32 [m * k / group] scratch (x's sums per group). */
-int int4_gemm(const uint16_t *x, const uint8_t *packed, uint16_t *y, float *xsum, int64_t m,
-              int64_t n, int64_t k, int64_t group) {
-    if (n % 32 || k % group || group % 2) return 1;
+/* xf: fp32 [m, k]; y: [m, n], bf16 or (out_fp32) fp32; xsum: fp32 [m * k / group] scratch. */
+static void gemm4(const float *xf, const uint8_t *packed, void *y, float *xsum, int64_t m,
+                  int64_t n, int64_t k, int64_t group, int out_fp32) {
     int64_t groups = k / group, blocks = n / 32;
-    float *xf = to_fp32(x, m, k);
-    if (!xf) return 1;
     for (int64_t i = 0; i < m; i++)
         for (int64_t g = 0; g < groups; g++) {
             float s = 0.0f;
@@ -133,15 +135,39 @@ int int4_gemm(const uint16_t *x, const uint8_t *packed, uint16_t *y, float *xsum
             int r = m - i < ROWS ? (int)(m - i) : ROWS;
             const float *xi = xf + i * k;
             const float *xs = xsum + i * groups;
-            uint16_t *yi = y + i * n + b * 32;
-            /* Constant row counts, so each compiles to its own unrolled loops. */
-            if (r == 4) block(xi, k, xs, groups, group, blk, yi, n, 4);
-            else if (r == 3) block(xi, k, xs, groups, group, blk, yi, n, 3);
-            else if (r == 2) block(xi, k, xs, groups, group, blk, yi, n, 2);
-            else block(xi, k, xs, groups, group, blk, yi, n, 1);
+            char *yi = (char *)y + (i * n + b * 32) * (out_fp32 ? 4 : 2);
+            /* Constant row counts and output types, so each compiles to its own loops. */
+            if (out_fp32) {
+                if (r == 4) block(xi, k, xs, groups, group, blk, yi, n, 4, 1);
+                else if (r == 3) block(xi, k, xs, groups, group, blk, yi, n, 3, 1);
+                else if (r == 2) block(xi, k, xs, groups, group, blk, yi, n, 2, 1);
+                else block(xi, k, xs, groups, group, blk, yi, n, 1, 1);
+            } else {
+                if (r == 4) block(xi, k, xs, groups, group, blk, yi, n, 4, 0);
+                else if (r == 3) block(xi, k, xs, groups, group, blk, yi, n, 3, 0);
+                else if (r == 2) block(xi, k, xs, groups, group, blk, yi, n, 2, 0);
+                else block(xi, k, xs, groups, group, blk, yi, n, 1, 0);
+            }
         }
     }
+}
+
+/* x: bf16 [m, k]; y: bf16 [m, n]; xsum: fp32 [m * k / group] scratch (x's sums per group). */
+int int4_gemm(const uint16_t *x, const uint8_t *packed, uint16_t *y, float *xsum, int64_t m,
+              int64_t n, int64_t k, int64_t group) {
+    if (n % 32 || k % group || group % 2) return 1;
+    float *xf = to_fp32(x, m, k);
+    if (!xf) return 1;
+    gemm4(xf, packed, y, xsum, m, n, k, group, 0);
     free(xf);
+    return 0;
+}
+
+/* fp32 in and out (the compute dtype of CPUs without fast bf16): x and y are never rounded. */
+int int4_gemm_f32(const float *x, const uint8_t *packed, float *y, float *xsum, int64_t m,
+                  int64_t n, int64_t k, int64_t group) {
+    if (n % 32 || k % group || group % 2) return 1;
+    gemm4(x, packed, y, xsum, m, n, k, group, 1);
     return 0;
 }
 
@@ -218,13 +244,9 @@ static inline void block8(const float *x, int64_t k, const int8_t *blk, const fl
     half_block8(x, k, blk, scale, y, n, r, 1, out_fp32);
 }
 
-/* x: bf16 [m, k]; scale: fp32 [n]; y: [m, n], bf16 or (out_fp32: logits) fp32. */
-int int8_gemm(const uint16_t *x, const int8_t *packed, const float *scale, void *y, int64_t m,
-              int64_t n, int64_t k, int out_fp32) {
-    if (n % 32 || k % 2) return 1;
+static void gemm8(const float *xf, const int8_t *packed, const float *scale, void *y,
+                  int64_t m, int64_t n, int64_t k, int out_fp32) {
     int64_t blocks = n / 32;
-    float *xf = to_fp32(x, m, k);
-    if (!xf) return 1;
     #pragma omp parallel for schedule(static) if (blocks >= 4)
     for (int64_t b = 0; b < blocks; b++) {
         const int8_t *blk = packed + b * k * 32;
@@ -238,7 +260,24 @@ int int8_gemm(const uint16_t *x, const int8_t *packed, const float *scale, void 
             else block8(xi, k, blk, scale + b * 32, yi, n, 1, out_fp32);
         }
     }
+}
+
+/* x: bf16 [m, k]; scale: fp32 [n]; y: [m, n], bf16 or (out_fp32: logits) fp32. */
+int int8_gemm(const uint16_t *x, const int8_t *packed, const float *scale, void *y, int64_t m,
+              int64_t n, int64_t k, int out_fp32) {
+    if (n % 32 || k % 2) return 1;
+    float *xf = to_fp32(x, m, k);
+    if (!xf) return 1;
+    gemm8(xf, packed, scale, y, m, n, k, out_fp32);
     free(xf);
+    return 0;
+}
+
+/* fp32 in and out. */
+int int8_gemm_f32(const float *x, const int8_t *packed, const float *scale, float *y,
+                  int64_t m, int64_t n, int64_t k) {
+    if (n % 32 || k % 2) return 1;
+    gemm8(x, packed, scale, y, m, n, k, 1);
     return 0;
 }
 
@@ -258,6 +297,16 @@ int int4_unpack_q4x32(const void *packed, void *out, int64_t n, int64_t k, int64
 
 int int8_gemm(const void *x, const void *packed, const void *scale, void *y, int64_t m,
               int64_t n, int64_t k, int out_fp32) {
+    return 1;
+}
+
+int int4_gemm_f32(const void *x, const void *packed, void *y, void *xsum, int64_t m,
+                  int64_t n, int64_t k, int64_t group) {
+    return 1;
+}
+
+int int8_gemm_f32(const void *x, const void *packed, const void *scale, void *y, int64_t m,
+                  int64_t n, int64_t k) {
     return 1;
 }
 

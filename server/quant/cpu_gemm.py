@@ -121,17 +121,27 @@ def takes(out_features: int, in_features: int, group: int = 2) -> bool:
             and checked() is not None)
 
 
+def takes_fp32(lib=None) -> bool:
+    """Whether the kernels take fp32 activations as they are (avx2_gemm.c: CPUs without fast
+    bf16 compute in fp32) instead of rounded to bf16."""
+    lib = lib or checked()
+    return lib is not None and hasattr(lib, "int4_gemm_f32")
+
+
 def gemm(x: torch.Tensor, packed: torch.Tensor, group: int, lib=None) -> torch.Tensor | None:
-    """x bf16 [M, K] @ the layer -> bf16 [M, N]; None if the kernel declines."""
+    """x [M, K] @ the layer -> [M, N] in x's dtype (bf16, or fp32 where takes_fp32); None if
+    the kernel declines."""
     lib = lib or checked()
     m, k = x.shape
     n = packed.shape[0] * BLOCK
     x = x.contiguous()
     y = x.new_empty(m, n)
     xsum = torch.empty(m * (k // group), dtype=torch.float32)
-    if (lib is None or packed.shape[1] * group != k
-            or lib.int4_gemm(x.data_ptr(), packed.data_ptr(), y.data_ptr(), xsum.data_ptr(),
-                             m, n, k, group)):
+    fn = lib and (lib.int4_gemm_f32 if x.dtype == torch.float32 and takes_fp32(lib)
+                  else lib.int4_gemm if x.dtype == torch.bfloat16 else None)
+    if (not fn or packed.shape[1] * group != k
+            or fn(x.data_ptr(), packed.data_ptr(), y.data_ptr(), xsum.data_ptr(), m, n, k,
+                  group)):
         return None
     return y
 
@@ -145,11 +155,17 @@ def gemm_int8(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, lib=No
     n = packed.shape[0] * BLOCK
     x = x.contiguous()
     y = torch.empty(m, n, dtype=out_dtype)
-    if (lib is None or packed.shape[1] * 2 != k or out_dtype not in _DTYPES
-            or lib.int8_gemm(x.data_ptr(), packed.data_ptr(), scale.data_ptr(), y.data_ptr(),
-                             m, n, k, out_dtype == torch.float32)):
+    if lib is None or packed.shape[1] * 2 != k or out_dtype not in _DTYPES:
         return None
-    return y
+    if x.dtype == torch.float32 and takes_fp32(lib) and out_dtype == torch.float32:
+        failed = lib.int8_gemm_f32(x.data_ptr(), packed.data_ptr(), scale.data_ptr(),
+                                   y.data_ptr(), m, n, k)
+    elif x.dtype == torch.bfloat16:
+        failed = lib.int8_gemm(x.data_ptr(), packed.data_ptr(), scale.data_ptr(), y.data_ptr(),
+                               m, n, k, out_dtype == torch.float32)
+    else:
+        return None
+    return None if failed else y
 
 
 def unpack_t(packed: torch.Tensor, group: int, out: torch.Tensor,
@@ -195,6 +211,10 @@ def _open(source: Path):
     lib.int8_gemm.argtypes = [_P] * 4 + [_I] * 3 + [ctypes.c_int]
     lib.int4_gemm.argtypes = [_P] * 4 + [_I] * 4
     lib.int4_unpack_q4x32.argtypes = [_P] * 2 + [_I] * 5
+    if hasattr(lib, "int4_gemm_f32"):  # avx2_gemm.c
+        lib.int4_gemm_f32.restype = lib.int8_gemm_f32.restype = ctypes.c_int
+        lib.int4_gemm_f32.argtypes = [_P] * 4 + [_I] * 4
+        lib.int8_gemm_f32.argtypes = [_P] * 4 + [_I] * 3
     return lib
 
 

@@ -125,8 +125,9 @@ class Int4Linear(nn.Module):
         self.weight = self.weight_scale = self.weight_zero = None
 
     def forward(self, x: torch.Tensor, rows: RowSplit | None = None) -> torch.Tensor:
-        if (self.q4x32 is not None and not cpu_gemm.PROMPTS_UNPACKED
-                and x.dtype == KERNEL_DTYPE and x.dim() == 2):
+        if (self.q4x32 is not None and not cpu_gemm.PROMPTS_UNPACKED and x.dim() == 2
+                and (x.dtype == KERNEL_DTYPE
+                     or (x.dtype == torch.float32 and cpu_gemm.takes_fp32()))):
             y = self._kernel(x)  # every row takes the kernel: the short way
             return y if self.bias is None else y + self.bias
         if self.kernel_weight is not None or self.q4x32 is not None:

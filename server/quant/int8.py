@@ -60,8 +60,8 @@ class Int8Linear(nn.Module):
             "int8", _sample_int8_kernel(self.in_features), self.in_features)
 
     def forward(self, x: torch.Tensor, rows: RowSplit | None = None) -> torch.Tensor:
-        if (self.q8 is not None and (rows is None or rows.prompt is None)
-                and x.dtype == torch.bfloat16 and x.dim() == 2):
+        if (self.q8 is not None and (rows is None or rows.prompt is None) and x.dim() == 2
+                and x.dtype == torch.bfloat16):
             y = self._kernel(x)  # no prompt rows: the short way
             return y if self.bias is None else y + self.bias
         if self.kernel_scale is not None:
@@ -78,8 +78,9 @@ class Int8Linear(nn.Module):
         """As an LM head: fp32 [N, out]. our kernels hand them over unrounded (bf16 logits
         are 0.06-0.125 apart at the real model's magnitudes: near ties became exact ties)."""
         if self.q8 is not None and x.dim() == 2 and self.bias is None:
-            y = cpu_gemm.gemm_int8(x.to(torch.bfloat16), self.q8, self.q8_scale,
-                                      out_dtype=torch.float32)
+            as_is = x.dtype == torch.float32 and cpu_gemm.takes_fp32()  # fp32 compute, AVX2
+            y = cpu_gemm.gemm_int8(x if as_is else x.to(torch.bfloat16), self.q8,
+                                   self.q8_scale, out_dtype=torch.float32)
             if y is not None:
                 return y
         return self(x).float()
