@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from server.api.errors import invalid, unsupported
+from server.api.errors import APIError, invalid, unsupported
 from server.api.protocol import ChatRequest, Fields
 from server.api.structured import parse_response_format
 from server.api.tools import parse_tools
@@ -55,7 +55,12 @@ def parse_responses_request(body: dict[str, Any], vocab_size: int) -> ResponsesR
     max_tokens = f.int("max_output_tokens", lo=1)
     raw_tools, choice = f.raw("tools"), f.raw("tool_choice")
     parallel = f.raw("parallel_tool_calls")
-    tool_use = parse_tools(_chat_tools(raw_tools), _chat_choice(choice), parallel)
+    try:
+        tool_use = parse_tools(_chat_tools(raw_tools), _chat_choice(choice), parallel)
+    except APIError as e:  # name the flat tool's fields, not the chat form's
+        e.param = e.param and e.param.replace(".function.", ".")
+        e.message = e.message.replace(".function.", ".")
+        raise
     text = f.raw("text")
     output_schema, text_echo = _text(text)
     metadata = f.raw("metadata")

@@ -150,6 +150,7 @@ def test_bad_requests_name_the_field(client):
     cases = [
         (dict(input=[]), "input"),
         (dict(input="hi", tools=[{"type": "web_search"}]), "tools[0].type"),
+        (dict(input="hi", tools=[{"type": "function", "name": "a b"}]), "tools[0].name"),
         (dict(input="hi", text={"format": {"type": "xml"}}), "text.format.type"),
         (dict(input="hi", text={"format": {"type": "json_schema", "schema": {}}}),
          "text.format.name"),
