@@ -221,16 +221,18 @@ def main() -> None:
                          "results/compare-SHAPE.json")
     args = ap.parse_args()
     RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / f"compare-{args.shape}"
+    def out(ext: str) -> Path:  # not with_suffix: the shape "1.7b" has a dot of its own
+        return RESULTS / f"compare-{args.shape}{ext}"
+
     if args.from_json:
-        run = json.loads(out.with_suffix(".json").read_text())
+        run = json.loads(out(".json").read_text())
     else:
         run = {"machine": machine(), "date": time.strftime("%Y-%m-%d"),
                "command": " ".join(sys.argv[1:]), "reports": run_all(args)}
-        out.with_suffix(".json").write_text(json.dumps(run, indent=2))
+        out(".json").write_text(json.dumps(run, indent=2))
     md = table(run["reports"])
-    out.with_suffix(".md").write_text(md)
-    plot(run["reports"], out.with_suffix(".png"))
+    out(".md").write_text(md)
+    plot(run["reports"], out(".png"))
     write_results(md, run, args.shape)
     print(md)
 
