@@ -171,6 +171,8 @@ def create_app(settings: ServerSettings, state: ServerState | None = None) -> St
         Route("/v1/responses", responses.create_response, methods=["POST"]),
         Route("/v1/responses/{response_id}", responses.get_response, methods=["GET"]),
         Route("/v1/responses/{response_id}", responses.delete_response, methods=["DELETE"]),
+        Route("/v1/responses/{response_id}/input_items", responses.list_input_items,
+              methods=["GET"]),
         Route("/v1/embeddings", embeddings.create_embeddings, methods=["POST"]),
         Route("/v1/messages", anthropic_messages.create_message, methods=["POST"]),
         Route("/v1/messages/count_tokens", anthropic_messages.count_tokens, methods=["POST"]),

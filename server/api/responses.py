@@ -20,7 +20,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from server.api.auth import tenant
-from server.api.errors import APIError
+from server.api.errors import APIError, invalid
+from server.api.files import int_param, page
 from server.api.responses_protocol import ResponsesRequest, parse_responses_request
 from server.api.serving import Generation, answer_for_batch, respond
 from server.api.state import ServerState
@@ -42,6 +43,50 @@ async def get_response(request: Request) -> Response:
     state: ServerState = request.app.state.server
     stored = await _stored(state, tenant(request), request.path_params["response_id"], None)
     return JSONResponse(stored[0])
+
+
+async def list_input_items(request: Request) -> Response:
+    """GET /v1/responses/{id}/input_items: the items the response was generated from (its
+    conversation, previous responses' included), newest first unless order=asc."""
+    state: ServerState = request.app.state.server
+    response_id = request.path_params["response_id"]
+    _, conversation = await _stored(state, tenant(request), response_id, None)
+    q = request.query_params
+    limit = int_param(q.get("limit"), "limit", 20, 1, 100)
+    order = q.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise invalid("order", f"'order' must be 'asc' or 'desc', got {order!r}.")
+    items = [item for i, m in enumerate(conversation[:-1])  # the last is the output
+             for item in _input_items(m, f"{response_id.removeprefix('resp_')}_{i}")]
+    if order == "desc":
+        items.reverse()
+    after = q.get("after")
+    if after is not None:
+        ids = [item["id"] for item in items]
+        if after not in ids:
+            raise invalid("after", f"No input item {after!r} in response {response_id!r}.")
+        items = items[ids.index(after) + 1:]
+    return JSONResponse(page(items[:limit], len(items) > limit))
+
+
+def _input_items(message: dict[str, Any], key: str) -> list[dict[str, Any]]:
+    """A conversation's chat message as Responses items (ids stable across calls)."""
+    role = message["role"]
+    if role == "tool":
+        return [{"id": f"fco_{key}", "type": "function_call_output",
+                 "call_id": message["tool_call_id"], "output": message["content"],
+                 "status": "completed"}]
+    items = []
+    if message["content"] or not message.get("tool_calls"):
+        kind = "output_text" if role == "assistant" else "input_text"
+        items.append({"id": f"msg_{key}", "type": "message", "role": role,
+                      "status": "completed",
+                      "content": [{"type": kind, "text": message["content"]}
+                                  | ({"annotations": []} if role == "assistant" else {})]})
+    items += [{"id": f"fc_{key}_{j}", "type": "function_call", "call_id": c["id"],
+               "name": c["function"]["name"], "arguments": c["function"]["arguments"],
+               "status": "completed"} for j, c in enumerate(message.get("tool_calls", []))]
+    return items
 
 
 async def delete_response(request: Request) -> Response:

@@ -88,6 +88,27 @@ def test_previous_response_id_continues_the_stored_conversation(client):
         client.responses.retrieve(alone.id)  # store=False: never stored
 
 
+def test_input_items_list_the_conversation_newest_first(client):
+    first = client.responses.create(model=MODEL, input="First question", max_output_tokens=3,
+                                    instructions="Be brief.", **GREEDY)
+    second = client.responses.create(
+        model=MODEL, previous_response_id=first.id, max_output_tokens=3, **GREEDY,
+        input=[{"type": "function_call_output", "call_id": "call_1", "output": "42"},
+               {"role": "user", "content": "Second question"}])
+    items = client.responses.input_items.list(second.id).data
+    # Newest first: this request's input, then the first response's output and input (its
+    # instructions are not part of the conversation).
+    assert [i.type for i in items] == ["message", "function_call_output", "message",
+                                       "message"]
+    assert items[0].content[0].text == "Second question" and items[1].output == "42"
+    assert items[2].role == "assistant" and items[2].content[0].text == first.output_text
+    assert items[3].content[0].text == "First question"
+    asc = client.responses.input_items.list(second.id, order="asc", limit=2)
+    assert [i.id for i in asc.data] == [items[3].id, items[2].id] and asc.has_more
+    rest = client.responses.input_items.list(second.id, order="asc", after=asc.data[-1].id)
+    assert [i.id for i in rest.data] == [items[1].id, items[0].id] and not rest.has_more
+
+
 def test_stored_responses_belong_to_their_key_and_can_be_deleted(client, server):
     from openai import NotFoundError, OpenAI
 
