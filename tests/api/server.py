@@ -96,3 +96,11 @@ def own_server(models_home: Path, tmp_path: Path, args: list[str]) -> ServerProc
     """A started server with its own home (database) and log under tmp_path."""
     return ServerProcess(home_with_models(models_home, tmp_path / "home"), args,
                          tmp_path / "server.log").start()
+
+
+def num_aborted(server: ServerProcess) -> float:
+    """Requests the server counted as aborted (client gone), from /metrics."""
+    text = httpx.get(f"{server.url}/metrics", headers=server.headers).text
+    line = next(x for x in text.splitlines() if x.startswith("localserve:request_success_total")
+                and 'finished_reason="abort"' in x)
+    return float(line.rsplit(" ", 1)[1])

@@ -180,3 +180,37 @@ def test_raw_stream_is_anthropics_event_sequence(server):
     assert names[-2] == "message_delta" and names[-3] == "content_block_stop"
     assert [d["type"] for d in datas] == names
     assert "[DONE]" not in "".join(lines)
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/messages", {"max_tokens": 3000}),
+    ("/v1/responses", {"max_output_tokens": 3000, "input": "Tell me a long story."}),
+])
+def test_a_client_leaving_a_stream_aborts_its_request(server, path, body):
+    """Closing the connection mid-stream ends the engine request (Messages and Responses): it
+    is counted as aborted, not finished, and nothing stays running."""
+    import time
+
+    from tests.api.server import num_aborted
+
+    aborted = num_aborted(server)
+
+    body = {"model": MODEL, "stream": True, "temperature": 0,
+            "messages": [{"role": "user", "content": "Tell me a long story."}]} | body
+    if path == "/v1/responses":
+        body.pop("messages")
+    headers = {"x-api-key": API_KEY}
+    with httpx.stream("POST", f"{server.url}{path}", json=body, headers=headers) as r:
+        deltas = 0
+        for line in r.iter_lines():
+            deltas += '"text_delta"' in line or "output_text.delta" in line
+            if deltas >= 5:
+                break  # leave with the answer far from done
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        s = httpx.get(f"{server.url}/v1/dashboard/state", headers=headers).json()
+        if s["requests"]["running"] + s["requests"]["waiting"] == 0:
+            break
+        time.sleep(0.05)
+    assert s["requests"]["running"] + s["requests"]["waiting"] == 0
+    assert num_aborted(server) == aborted + 1

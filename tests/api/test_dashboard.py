@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from tests.api.conftest import API_KEY, MODEL
-from tests.api.server import own_server
+from tests.api.server import num_aborted, own_server
 from tests.api.test_batches import jsonl
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -99,13 +99,6 @@ def test_a_chat_streams_into_the_playground(browser, server, client):
         assert page.errors == []
     finally:
         page.close()
-
-
-def num_aborted(server) -> float:
-    text = httpx.get(f"{server.url}/metrics", headers=server.headers).text
-    line = next(x for x in text.splitlines() if x.startswith("localserve:request_success_total")
-                and 'finished_reason="abort"' in x)
-    return float(line.rsplit(" ", 1)[1])
 
 
 def test_stop_ends_a_generation_on_the_server(browser, server):
