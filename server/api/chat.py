@@ -17,7 +17,7 @@ from server.api.protocol import ChatRequest, parse_chat
 from server.api.serving import Generation, TokenText, answer_for_batch, respond
 from server.api.state import ServerState
 from server.api.tool_calls import Parsed, ToolCallParser, openai_calls, openai_deltas
-from server.api.turn import Turn, finish_with_calls, start_turn
+from server.api.turn import Piece, Turn, finish_with_calls, pieces, start_turn
 from server.api.usage import TokenCount
 from server.engine.async_engine import CompletionChunk
 
@@ -37,7 +37,7 @@ async def chat_answer(state: ServerState, body: dict[str, Any], salt: str, prior
 async def _start(state: ServerState, req: ChatRequest, salt: str, priority: int) -> Generation:
     turn = await start_turn(state, req, salt, priority)
     run = _Run(state, req, turn)
-    return Generation(lambda: run.collect(turn.chunks), lambda: run.stream(turn.chunks))
+    return Generation(lambda: run.collect(turn.chunks), lambda: run.stream(pieces(turn)))
 
 
 def _logprobs(token_text: TokenText, chunk: CompletionChunk) -> dict[str, Any] | None:
@@ -100,8 +100,7 @@ class _Run:
                 "finish_reason": finish[i]})
         return self._object("chat.completion", choices) | {"usage": self.count.usage()}
 
-    async def stream(self, chunks: AsyncIterator[CompletionChunk]
-                     ) -> AsyncIterator[dict[str, Any]]:
+    async def stream(self, parts: AsyncIterator[Piece]) -> AsyncIterator[dict[str, Any]]:
         extra = {"usage": None} if self.req.include_usage else {}
 
         def event(index: int, delta: dict, finish: str | None = None, logprobs=None) -> dict:
@@ -109,28 +108,20 @@ class _Run:
                 "index": index, "delta": delta, "logprobs": logprobs,
                 "finish_reason": finish}]) | extra
 
-        n = self.req.params.n
-        parsers = [ToolCallParser() for _ in range(n)] if self.calls_tools else None
-        for i in range(n):
+        for i in range(self.req.params.n):
             yield event(i, {"role": "assistant", "content": ""})
-        async for chunk in chunks:
+        async for piece in parts:
+            chunk = piece.chunk
             self.count.add(chunk)
             lp = _logprobs(self.token_text, chunk)
-            finish = chunk.finish_reason
-            if parsers is None:
+            if not self.calls_tools:
                 delta = {"content": chunk.text} if chunk.text or lp is not None else None
             else:
-                parser = parsers[chunk.index]
-                parsed = parser.feed(chunk.text)
-                if finish is not None:
-                    rest = parser.finish()
-                    parsed = Parsed(parsed.content + rest.content, parsed.calls + rest.calls)
-                    finish = finish_with_calls(finish, parser)
-                delta = _delta(parsed, lp is not None)
+                delta = _delta(Parsed(piece.content, piece.calls), lp is not None)
             if delta is not None:
                 yield event(chunk.index, delta, logprobs=lp)
-            if finish is not None:
-                yield event(chunk.index, {}, finish)
+            if piece.finish_reason is not None:
+                yield event(chunk.index, {}, piece.finish_reason)
         if self.req.include_usage:
             yield self._object("chat.completion.chunk", []) | {"usage": self.count.usage()}
 

@@ -27,7 +27,6 @@ from server.api.errors import invalid
 from server.api.protocol import Fields
 from server.api.serving import new_id, off_loop, until_disconnect
 from server.api.state import ServerState
-from server.api.usage import usage
 from server.engine.scheduler import RequestTooLargeError
 from server.engine.sequence import PRIORITY_INTERACTIVE, Pooling, SamplingParams
 
@@ -140,10 +139,8 @@ async def embeddings_answer_for(state: ServerState, req: EmbeddingRequest, salt:
     data = [{"object": "embedding", "index": i,
              "embedding": _encode(_shorten(v, req.dimensions, pooling.normalize),
                                   req.encoding_format)} for i, v in enumerate(vectors)]
-    body = usage(num_tokens, 0, 0)
     return {"object": "list", "data": data, "model": state.served_name,
-            "usage": {"prompt_tokens": body["prompt_tokens"],
-                      "total_tokens": body["total_tokens"]}}
+            "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
 
 
 def _tokenize(tokenizer: Any, inputs: list[str | list[int]]) -> list[list[int]]:

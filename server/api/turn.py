@@ -37,8 +37,9 @@ class Turn:
 
 @dataclass(slots=True)
 class Piece:
-    """What one engine chunk of choice 0 adds: content, call pieces, and the end if it ended.
-    `finish_reason` is "tool_calls" when a turn that called tools ended by itself."""
+    """What one engine chunk adds to its choice (`chunk.index`): content, call pieces, and the
+    end if it ended. `finish_reason` is "tool_calls" when a choice that called tools ended by
+    itself."""
 
     chunk: CompletionChunk
     content: str = ""
@@ -72,12 +73,13 @@ async def count_prompt_tokens(state: ServerState, req: ChatRequest, param: str) 
 
 
 async def pieces(turn: Turn) -> AsyncIterator[Piece]:
-    """Choice 0's chunks as content and call pieces (protocols that answer one choice)."""
-    parser = ToolCallParser() if turn.calls_tools else None
+    """The engine's chunks as content and call pieces, each choice parsed on its own."""
+    parsers: dict[int, ToolCallParser] = {}
     async for chunk in turn.chunks:
-        if parser is None:
+        if not turn.calls_tools:
             yield Piece(chunk, chunk.text, [], chunk.finish_reason)
             continue
+        parser = parsers.setdefault(chunk.index, ToolCallParser())
         parsed = parser.feed(chunk.text)
         content, calls, finish = parsed.content, parsed.calls, chunk.finish_reason
         if finish is not None:

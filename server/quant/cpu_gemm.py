@@ -137,13 +137,16 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, group: int, lib=None) -> torch.T
     x = x.contiguous()
     y = x.new_empty(m, n)
     xsum = torch.empty(m * (k // group), dtype=torch.float32)
-    fn = lib and (lib.int4_gemm_f32 if x.dtype == torch.float32 and takes_fp32(lib)
-                  else lib.int4_gemm if x.dtype == torch.bfloat16 else None)
-    if (not fn or packed.shape[1] * group != k
-            or fn(x.data_ptr(), packed.data_ptr(), y.data_ptr(), xsum.data_ptr(), m, n, k,
-                  group)):
+    if lib is None or packed.shape[1] * group != k:
         return None
-    return y
+    if x.dtype == torch.bfloat16:
+        fn = lib.int4_gemm
+    elif x.dtype == torch.float32 and takes_fp32(lib):
+        fn = lib.int4_gemm_f32
+    else:
+        return None
+    failed = fn(x.data_ptr(), packed.data_ptr(), y.data_ptr(), xsum.data_ptr(), m, n, k, group)
+    return None if failed else y
 
 
 def gemm_int8(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, lib=None,
