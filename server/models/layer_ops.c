@@ -151,19 +151,48 @@ int rope_store(const void *qkv, int64_t t, int64_t row_stride, int64_t hq, int64
     return 0;
 }
 
-/* 16 floats in one vector (GCC's vector extensions: AVX-512, two AVX2 registers or four SSE,
- * the same arithmetic in each lane whichever). */
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef float f32x8 __attribute__((vector_size(32)));
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
+/* VL floats in one vector: 16 on AVX-512 (one register), else 8 (one AVX2 register). GCC's
+ * vector extensions, with fused multiply-adds where the CPU has them (vfma): a row's results
+ * depend on this machine's build only, never on the rows beside it. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define VL 16
+typedef float vf __attribute__((vector_size(64)));
+static inline vf vfma(vf a, vf b, vf c) {
+    return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define VL 8
+typedef float vf __attribute__((vector_size(32)));
+static inline vf vfma(vf a, vf b, vf c) {
+    return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+}
+#else
+#define VL 8
+typedef float vf __attribute__((vector_size(32)));
+static inline vf vfma(vf a, vf b, vf c) { return a * b + c; }
+#endif
+typedef uint16_t u16v __attribute__((vector_size(2 * VL)));
+typedef uint32_t u32v __attribute__((vector_size(4 * VL)));
 
-static inline f32x16 load16(const char *p, int bf16) {
-    f32x16 f;
+typedef int32_t i32v __attribute__((vector_size(4 * VL)));
+
+static inline vf vmax(vf a, vf b) {
+    i32v take = a > b;
+    return (vf)((take & (i32v)a) | (~take & (i32v)b));
+}
+
+static inline void prefetch_row(const char *p, int64_t bytes) {
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
+}
+
+static inline vf loadv(const char *p, int bf16) {
+    vf f;
     if (bf16) {
-        u16x16 h;
+        u16v h;
         memcpy(&h, p, sizeof h);
-        u32x16 w = __builtin_convertvector(h, u32x16) << 16;
+        u32v w = __builtin_convertvector(h, u32v) << 16;
         memcpy(&f, &w, sizeof f);
     } else {
         memcpy(&f, p, sizeof f);
@@ -171,87 +200,138 @@ static inline f32x16 load16(const char *p, int bf16) {
     return f;
 }
 
-/* reduce2(a, b): lanes 0-7 the pairwise sums of a's lanes, 8-15 of b's. */
-static inline f32x16 reduce2(f32x16 a, f32x16 b) {
+/* reduce2(a, b): the first half of the lanes the pairwise sums of a's lanes, the rest of b's. */
+static inline vf reduce2(vf a, vf b) {
+#if VL == 16
     return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
          + __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+#else
+    return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14)
+         + __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15);
+#endif
 }
 
-/* 16 vectors -> one whose lane j is the sum of v[j]'s lanes (four rounds of reduce2). */
-static inline f32x16 sum16x16(f32x16 v[16]) {
-    for (int w = 8; w >= 1; w /= 2)
+/* VL vectors -> one whose lane j is the sum of v[j]'s lanes (log2 VL rounds of reduce2). */
+static inline vf sum_lanes(vf v[VL]) {
+    for (int w = VL / 2; w >= 1; w /= 2)
         for (int i = 0; i < w; i++) v[i] = reduce2(v[2 * i], v[2 * i + 1]);
     return v[0];
 }
 
 #define MAX_GROUP 16  /* query heads per kv head */
 
-/* One sequence's kv head: its `group` query heads over n context positions. */
-static inline void decode_head(const char *q, int64_t group, const char *kbase,
-                               const char *vbase, const int64_t *sl, int64_t n, int64_t d,
-                               float scale, float *score, int64_t max_ctx, char *out,
-                               int bf16, int cache_bf16) {
+/* One sequence's kv head: its `group` query heads over n context positions. Inlined with a
+ * literal group (and dtype flags), so that each case keeps its accumulators in registers. */
+static inline __attribute__((always_inline)) void decode_head(
+        const char *q, const int64_t group, const char *kbase, const char *vbase,
+        const int64_t *sl, int64_t n, int64_t d, float scale, float *score, int64_t max_ctx,
+        char *out, const int bf16, const int cache_bf16) {
     size_t es = bf16 ? 2 : 4, ces = cache_bf16 ? 2 : 4;
-    int64_t chunks = d / 16;
-    f32x16 qv[MAX_GROUP][MAX_DIM / 16];
+    int64_t chunks = d / VL;
+    vf qv[MAX_GROUP][MAX_DIM / VL];
     for (int64_t g = 0; g < group; g++)
         for (int64_t c = 0; c < chunks; c++)
-            qv[g][c] = load16(q + (g * d + c * 16) * es, bf16) * scale;
-    /* Scores 16 positions at a time, each one's products summed across lanes by one tree
-     * (positions past n in the last block are zeros, never stored). */
-    for (int64_t p0 = 0; p0 < n; p0 += 16) {
-        int64_t count = n - p0 < 16 ? n - p0 : 16;
-        for (int64_t g = 0; g < group; g++) {
-            f32x16 v[16];
-            for (int64_t j = 0; j < 16; j++) {
-                if (j >= count) {
-                    v[j] = (f32x16){0};
-                    continue;
-                }
-                const char *k = kbase + sl[p0 + j] * d * ces;
-                f32x16 acc = qv[g][0] * load16(k, cache_bf16);
-                for (int64_t c = 1; c < chunks; c++)
-                    acc = acc + qv[g][c] * load16(k + c * 16 * ces, cache_bf16);
-                v[j] = acc;
+            qv[g][c] = loadv(q + (g * d + c * VL) * es, bf16) * scale;
+    /* Scores VL positions at a time: each position's key is loaded once for every query head,
+     * and each (head, position)'s products are summed across lanes by one tree (positions past
+     * n in the last block are zeros, never stored). */
+    for (int64_t p0 = 0; p0 < n; p0 += VL) {
+        int64_t count = n - p0 < VL ? n - p0 : VL;
+        vf part[MAX_GROUP][VL];
+        for (int64_t j = 0; j < VL; j++) {
+            if (j >= count) {
+                for (int64_t g = 0; g < group; g++) part[g][j] = (vf){0};
+                continue;
             }
-            float s16[16];
-            f32x16 s = sum16x16(v);
-            memcpy(s16, &s, sizeof s16);
-            memcpy(score + g * max_ctx + p0, s16, (size_t)count * sizeof(float));
+            const char *k = kbase + sl[p0 + j] * d * ces;
+            /* The next block's keys and this position's values, from memory while this block
+             * computes (a block of the pool is a few cache lines; blocks lie anywhere). */
+            if (p0 + VL + j < n) prefetch_row(kbase + sl[p0 + VL + j] * d * ces, d * ces);
+            prefetch_row(vbase + sl[p0 + j] * d * ces, d * ces);
+            vf acc[MAX_GROUP], kc = loadv(k, cache_bf16);
+            for (int64_t g = 0; g < group; g++) acc[g] = qv[g][0] * kc;
+            for (int64_t c = 1; c < chunks; c++) {
+                kc = loadv(k + c * VL * ces, cache_bf16);
+                for (int64_t g = 0; g < group; g++) acc[g] = vfma(qv[g][c], kc, acc[g]);
+            }
+            for (int64_t g = 0; g < group; g++) part[g][j] = acc[g];
+        }
+        for (int64_t g = 0; g < group; g++) {
+            float sv[VL];
+            vf s = sum_lanes(part[g]);
+            memcpy(sv, &s, sizeof sv);
+            memcpy(score + g * max_ctx + p0, sv, (size_t)count * sizeof(float));
         }
     }
     float denom[MAX_GROUP];
     for (int64_t g = 0; g < group; g++) {
         float *sc = score + g * max_ctx, peak = -INFINITY;
-        for (int64_t p = 0; p < n; p++) peak = sc[p] > peak ? sc[p] : peak;
+        int64_t p = 0;
+        if (n >= VL) {  /* the maximum in lanes, then across them (exact in any order) */
+            vf m;
+            memcpy(&m, sc, sizeof m);
+            for (p = VL; p + VL <= n; p += VL) {
+                vf x;
+                memcpy(&x, sc + p, sizeof x);
+                m = vmax(m, x);
+            }
+            float lane[VL];
+            memcpy(lane, &m, sizeof lane);
+            for (int l = 0; l < VL; l++) peak = lane[l] > peak ? lane[l] : peak;
+        }
+        for (; p < n; p++) peak = sc[p] > peak ? sc[p] : peak;
         for (int64_t p = 0; p < n; p++) sc[p] = exp_neg(sc[p] - peak);
         float lanes[LANES] = {0};
-        int64_t p = 0;
-        for (; p + LANES <= n; p += LANES)
+        for (p = 0; p + LANES <= n; p += LANES)
             for (int l = 0; l < LANES; l++) lanes[l] = lanes[l] + sc[p + l];
         denom[g] = lane_sum(lanes);
         for (; p < n; p++) denom[g] = denom[g] + sc[p];
     }
-    f32x16 acc[MAX_GROUP][MAX_DIM / 16];
-    for (int64_t g = 0; g < group; g++)
-        for (int64_t c = 0; c < chunks; c++) acc[g][c] = (f32x16){0};
-    for (int64_t p = 0; p < n; p++) {
-        const char *v = vbase + sl[p] * d * ces;
-        f32x16 vv[MAX_DIM / 16];
-        for (int64_t c = 0; c < chunks; c++) vv[c] = load16(v + c * 16 * ces, cache_bf16);
+    /* The weighted sum of values, one vector of every head's output at a time. */
+    for (int64_t c = 0; c < chunks; c++) {
+        vf acc[MAX_GROUP];
+        for (int64_t g = 0; g < group; g++) acc[g] = (vf){0};
+        for (int64_t p = 0; p < n; p++) {
+            vf vv = loadv(vbase + (sl[p] * d + c * VL) * ces, cache_bf16);
+            for (int64_t g = 0; g < group; g++)
+                acc[g] = vfma((vf){0} + score[g * max_ctx + p], vv, acc[g]);
+        }
         for (int64_t g = 0; g < group; g++) {
-            float w = score[g * max_ctx + p];
-            for (int64_t c = 0; c < chunks; c++) acc[g][c] = acc[g][c] + w * vv[c];
+            float row[VL];
+            vf o = acc[g] / denom[g];
+            memcpy(row, &o, sizeof o);
+            store_row(out + (g * d + c * VL) * es, row, VL, bf16);
         }
     }
-    for (int64_t g = 0; g < group; g++) {
-        float row[MAX_DIM];
-        for (int64_t c = 0; c < chunks; c++) {
-            f32x16 o = acc[g][c] / denom[g];
-            memcpy(row + c * 16, &o, sizeof o);
-        }
-        store_row(out + g * d * es, row, d, bf16);
+}
+
+/* decode_head with literal flags and, for the usual groups, a literal group size. */
+static void decode_job(const char *q, int64_t group, const char *kbase, const char *vbase,
+                       const int64_t *sl, int64_t n, int64_t d, float scale, float *score,
+                       int64_t max_ctx, char *out, int bf16, int cache_bf16) {
+#define DECODE_FLAGS(G)                                                                       \
+    do {                                                                                      \
+        if (bf16 && cache_bf16)                                                               \
+            decode_head(q, G, kbase, vbase, sl, n, d, scale, score, max_ctx, out, 1, 1);      \
+        else if (bf16)                                                                        \
+            decode_head(q, G, kbase, vbase, sl, n, d, scale, score, max_ctx, out, 1, 0);      \
+        else if (cache_bf16)                                                                  \
+            decode_head(q, G, kbase, vbase, sl, n, d, scale, score, max_ctx, out, 0, 1);      \
+        else                                                                                  \
+            decode_head(q, G, kbase, vbase, sl, n, d, scale, score, max_ctx, out, 0, 0);      \
+    } while (0)
+    switch (group) {
+        case 1: DECODE_FLAGS(1); break;
+        case 2: DECODE_FLAGS(2); break;
+        case 3: DECODE_FLAGS(3); break;
+        case 4: DECODE_FLAGS(4); break;
+        case 5: DECODE_FLAGS(5); break;
+        case 6: DECODE_FLAGS(6); break;
+        case 7: DECODE_FLAGS(7); break;
+        case 8: DECODE_FLAGS(8); break;
+        default: DECODE_FLAGS(group); break;
     }
+#undef DECODE_FLAGS
 }
 
 /* One generated token per entry b, attending over its own context in the paged cache.
@@ -263,7 +343,7 @@ int paged_decode(const void *q, const void *k_cache, const void *v_cache,
                  const int64_t *ctx_slots, const int64_t *lens, void *out, int64_t b,
                  int64_t hq, int64_t hkv, int64_t d, int64_t max_ctx, int64_t num_slots,
                  double scale, int bf16, int cache_bf16) {
-    if (d > MAX_DIM || d % 16 || hq % hkv || hq / hkv > MAX_GROUP) return 1;
+    if (d > MAX_DIM || d % VL || hq % hkv || hq / hkv > MAX_GROUP) return 1;
     for (int64_t e = 0; e < b; e++)
         if (lens[e] < 1 || lens[e] > max_ctx) return 1;
     size_t es = bf16 ? 2 : 4, ces = cache_bf16 ? 2 : 4;
@@ -294,15 +374,7 @@ int paged_decode(const void *q, const void *k_cache, const void *v_cache,
             const int64_t *sl = ctx_slots + e * max_ctx;
             int64_t n = lens[e];
             float sf = (float)scale;
-            /* Literal flags, so each of the four cases compiles to its own loops. */
-            if (bf16 && cache_bf16)
-                decode_head(qe, group, kbase, vbase, sl, n, d, sf, sc, longest, oe, 1, 1);
-            else if (bf16)
-                decode_head(qe, group, kbase, vbase, sl, n, d, sf, sc, longest, oe, 1, 0);
-            else if (cache_bf16)
-                decode_head(qe, group, kbase, vbase, sl, n, d, sf, sc, longest, oe, 0, 1);
-            else
-                decode_head(qe, group, kbase, vbase, sl, n, d, sf, sc, longest, oe, 0, 0);
+            decode_job(qe, group, kbase, vbase, sl, n, d, sf, sc, longest, oe, bf16, cache_bf16);
         }
         free(sc);
     }

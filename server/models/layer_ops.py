@@ -58,13 +58,18 @@ def _open_checked():
     lib = native.library(SOURCE)
     if lib is None:
         return None
-    for name, argtypes in _SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.restype, fn.argtypes = ctypes.c_int, argtypes
-    problem = _self_check(lib)
+    problem = _self_check(typed(lib))
     if problem:
         log.warning("layer_ops.c failed its check on this machine (%s); using PyTorch", problem)
         return None
+    return lib
+
+
+def typed(lib):
+    """`lib` (a build of layer_ops.c) with its functions' signatures set."""
+    for name, argtypes in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = ctypes.c_int, argtypes
     return lib
 
 

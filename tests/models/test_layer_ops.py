@@ -52,7 +52,7 @@ def decode_group(lens, tables):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("heads", [(9, 3), (4, 4), (8, 1)])
+@pytest.mark.parametrize("heads", [(9, 3), (4, 4), (8, 1), (32, 2)])
 def test_paged_decode_matches_pytorch_and_is_batch_invariant(dtype, heads, monkeypatch):
     hq, hkv = heads
     lens = [1, 63, 64, 65, 300, 17]
@@ -139,3 +139,23 @@ def test_no_compiler_means_pytorch(tmp_path, monkeypatch):
     from server.quant import native
 
     assert native._open(layer_ops.SOURCE) is None
+
+
+def test_built_for_an_avx2_only_cpu_it_passes_its_check(tmp_path):
+    """layer_ops.c compiled for an AVX2-only CPU (-march=haswell: 8-lane vectors, no AVX-512
+    registers) passes the same check as the library the server loads."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    from server.quant import native
+
+    if not {"avx2", "fma"} <= native.cpu_flags():
+        pytest.skip("needs AVX2 and FMA")
+    out = tmp_path / "layer_ops.so"
+    subprocess.run([shutil.which("cc") or shutil.which("gcc"), "-O3", "-march=haswell",
+                    *native.FLAGS[2:], "-fopenmp", "-o", str(out), str(layer_ops.SOURCE), "-lm"],
+                   check=True, capture_output=True)
+    disassembly = subprocess.run(["objdump", "-d", str(out)], capture_output=True, text=True)
+    assert disassembly.returncode != 0 or "zmm" not in disassembly.stdout
+    assert layer_ops._self_check(layer_ops.typed(ctypes.CDLL(str(out)))) is None
