@@ -218,17 +218,16 @@ static inline vf sum_lanes(vf v[VL]) {
     return v[0];
 }
 
-#define MAX_GROUP 16  /* query heads per kv head */
-
-/* One sequence's kv head: its `group` query heads over n context positions. Inlined with a
- * literal group (and dtype flags), so that each case keeps its accumulators in registers. */
+/* One sequence's kv head: `group` of its query heads over n context positions. Inlined with a
+ * literal group and cache dtype (the hot loops'), so that each case keeps its accumulators in
+ * registers; the queries' dtype is read once and written once. */
 static inline __attribute__((always_inline)) void decode_head(
         const char *q, const int64_t group, const char *kbase, const char *vbase,
         const int64_t *sl, int64_t n, int64_t d, float scale, float *score, int64_t max_ctx,
-        char *out, const int bf16, const int cache_bf16) {
+        char *out, int bf16, const int cache_bf16) {
     size_t es = bf16 ? 2 : 4, ces = cache_bf16 ? 2 : 4;
     int64_t chunks = d / VL;
-    vf qv[MAX_GROUP][MAX_DIM / VL];
+    vf qv[4][MAX_DIM / VL];
     for (int64_t g = 0; g < group; g++)
         for (int64_t c = 0; c < chunks; c++)
             qv[g][c] = loadv(q + (g * d + c * VL) * es, bf16) * scale;
@@ -237,7 +236,7 @@ static inline __attribute__((always_inline)) void decode_head(
      * n in the last block are zeros, never stored). */
     for (int64_t p0 = 0; p0 < n; p0 += VL) {
         int64_t count = n - p0 < VL ? n - p0 : VL;
-        vf part[MAX_GROUP][VL];
+        vf part[4][VL];
         for (int64_t j = 0; j < VL; j++) {
             if (j >= count) {
                 for (int64_t g = 0; g < group; g++) part[g][j] = (vf){0};
@@ -248,7 +247,7 @@ static inline __attribute__((always_inline)) void decode_head(
              * computes (a block of the pool is a few cache lines; blocks lie anywhere). */
             if (p0 + VL + j < n) prefetch_row(kbase + sl[p0 + VL + j] * d * ces, d * ces);
             prefetch_row(vbase + sl[p0 + j] * d * ces, d * ces);
-            vf acc[MAX_GROUP], kc = loadv(k, cache_bf16);
+            vf acc[4], kc = loadv(k, cache_bf16);
             for (int64_t g = 0; g < group; g++) acc[g] = qv[g][0] * kc;
             for (int64_t c = 1; c < chunks; c++) {
                 kc = loadv(k + c * VL * ces, cache_bf16);
@@ -263,7 +262,7 @@ static inline __attribute__((always_inline)) void decode_head(
             memcpy(score + g * max_ctx + p0, sv, (size_t)count * sizeof(float));
         }
     }
-    float denom[MAX_GROUP];
+    float denom[4];
     for (int64_t g = 0; g < group; g++) {
         float *sc = score + g * max_ctx, peak = -INFINITY;
         int64_t p = 0;
@@ -289,7 +288,7 @@ static inline __attribute__((always_inline)) void decode_head(
     }
     /* The weighted sum of values, one vector of every head's output at a time. */
     for (int64_t c = 0; c < chunks; c++) {
-        vf acc[MAX_GROUP];
+        vf acc[4];
         for (int64_t g = 0; g < group; g++) acc[g] = (vf){0};
         for (int64_t p = 0; p < n; p++) {
             vf vv = loadv(vbase + (sl[p] * d + c * VL) * ces, cache_bf16);
@@ -305,33 +304,32 @@ static inline __attribute__((always_inline)) void decode_head(
     }
 }
 
-/* decode_head with literal flags and, for the usual groups, a literal group size. */
+/* decode_head on query heads in blocks of at most 4 (each block reads the keys and values
+ * again), inlined with a literal block size and cache dtype: 8 instantiations, each keeping its
+ * accumulators in registers (compiled in about a second). */
 static void decode_job(const char *q, int64_t group, const char *kbase, const char *vbase,
                        const int64_t *sl, int64_t n, int64_t d, float scale, float *score,
                        int64_t max_ctx, char *out, int bf16, int cache_bf16) {
-#define DECODE_FLAGS(G)                                                                       \
+    size_t es = bf16 ? 2 : 4;
+    for (int64_t g0 = 0; g0 < group; g0 += 4) {
+        int64_t heads = group - g0 < 4 ? group - g0 : 4;
+        const char *qb = q + g0 * d * es;
+        char *ob = out + g0 * d * es;
+#define DECODE_HEADS(G)                                                                       \
     do {                                                                                      \
-        if (bf16 && cache_bf16)                                                               \
-            decode_head(q, G, kbase, vbase, sl, n, d, scale, score, max_ctx, out, 1, 1);      \
-        else if (bf16)                                                                        \
-            decode_head(q, G, kbase, vbase, sl, n, d, scale, score, max_ctx, out, 1, 0);      \
-        else if (cache_bf16)                                                                  \
-            decode_head(q, G, kbase, vbase, sl, n, d, scale, score, max_ctx, out, 0, 1);      \
+        if (cache_bf16)                                                                       \
+            decode_head(qb, G, kbase, vbase, sl, n, d, scale, score, max_ctx, ob, bf16, 1);   \
         else                                                                                  \
-            decode_head(q, G, kbase, vbase, sl, n, d, scale, score, max_ctx, out, 0, 0);      \
+            decode_head(qb, G, kbase, vbase, sl, n, d, scale, score, max_ctx, ob, bf16, 0);   \
     } while (0)
-    switch (group) {
-        case 1: DECODE_FLAGS(1); break;
-        case 2: DECODE_FLAGS(2); break;
-        case 3: DECODE_FLAGS(3); break;
-        case 4: DECODE_FLAGS(4); break;
-        case 5: DECODE_FLAGS(5); break;
-        case 6: DECODE_FLAGS(6); break;
-        case 7: DECODE_FLAGS(7); break;
-        case 8: DECODE_FLAGS(8); break;
-        default: DECODE_FLAGS(group); break;
+        switch (heads) {
+            case 1: DECODE_HEADS(1); break;
+            case 2: DECODE_HEADS(2); break;
+            case 3: DECODE_HEADS(3); break;
+            default: DECODE_HEADS(4); break;
+        }
+#undef DECODE_HEADS
     }
-#undef DECODE_FLAGS
 }
 
 /* One generated token per entry b, attending over its own context in the paged cache.
@@ -343,7 +341,7 @@ int paged_decode(const void *q, const void *k_cache, const void *v_cache,
                  const int64_t *ctx_slots, const int64_t *lens, void *out, int64_t b,
                  int64_t hq, int64_t hkv, int64_t d, int64_t max_ctx, int64_t num_slots,
                  double scale, int bf16, int cache_bf16) {
-    if (d > MAX_DIM || d % VL || hq % hkv || hq / hkv > MAX_GROUP) return 1;
+    if (d > MAX_DIM || d % VL || hq % hkv) return 1;
     for (int64_t e = 0; e < b; e++)
         if (lens[e] < 1 || lens[e] > max_ctx) return 1;
     size_t es = bf16 ? 2 : 4, ces = cache_bf16 ? 2 : 4;

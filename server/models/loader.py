@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+import server.models.layer_ops as layer_ops
 from server.models import model_class
 from server.models.config import ModelConfig
 from server.models.linear import Linear
@@ -110,6 +111,8 @@ def load_model(
     model = build_model(config, state, stored.manifest["quantized"], device, dtype,
                         use_kernels)
     detach_from(model, state)
+    if device.type == "cpu" and use_kernels:
+        layer_ops.enabled()  # build and check layer_ops.c now (~2 s once), not on a request
     return LoadedModel(model, config, stored, device, dtype)
 
 
