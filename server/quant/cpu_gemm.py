@@ -1,5 +1,6 @@
 """Our CPU kernels for int4 and int8 layers: avx512_gemm.c on AVX-512 BF16 CPUs (vdpbf16ps),
-avx2_gemm.c on AVX2 + FMA ones (fp32 FMAs); the same functions and layouts.
+avx2_gemm.c on AVX2 + FMA ones (vpmaddwd, activations as int16 per group); the same functions
+and layouts.
 
 PyTorch's CPU int4 and int8 kernels stream one row's weights at about half the memory bandwidth
 and slow down almost linearly with more rows (an int8 LM head of 49,152 x 576: 1.9 ms at one
@@ -122,8 +123,9 @@ def takes(out_features: int, in_features: int, group: int = 2) -> bool:
 
 
 def takes_fp32(lib=None) -> bool:
-    """Whether the kernels take fp32 activations as they are (avx2_gemm.c: CPUs without fast
-    bf16 compute in fp32) instead of rounded to bf16."""
+    """Whether the kernels take fp32 activations (avx2_gemm.c: CPUs without fast bf16 compute
+    in fp32; it makes them int16 per group, 2^-16 of the group's largest) instead of rounded to
+    bf16."""
     lib = lib or checked()
     return lib is not None and hasattr(lib, "int4_gemm_f32")
 
