@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import server.models.layer_ops as layer_ops
+import server.quant.native as native
 from server.models import attention
 from server.models.attention import build_metadata
 from server.models.simple import greedy_generate, prompt_logits
@@ -136,11 +137,10 @@ def test_model_without_layer_ops_matches_transformers(arch, pytorch_only):
 def test_no_compiler_means_pytorch(tmp_path, monkeypatch):
     monkeypatch.setenv("LOCALSERVE_HOME", str(tmp_path))
     monkeypatch.setenv("CC", "/nonexistent/cc")
-    from server.quant import native
-
     assert native._open(layer_ops.SOURCE) is None
 
 
+@pytest.mark.skipif(not {"avx2", "fma"} <= native.cpu_flags(), reason="needs AVX2 and FMA")
 def test_built_for_an_avx2_only_cpu_it_passes_its_check(tmp_path):
     """layer_ops.c compiled for an AVX2-only CPU (-march=haswell: 8-lane vectors, no AVX-512
     registers) passes the same check as the library the server loads."""
@@ -148,10 +148,6 @@ def test_built_for_an_avx2_only_cpu_it_passes_its_check(tmp_path):
     import shutil
     import subprocess
 
-    from server.quant import native
-
-    if not {"avx2", "fma"} <= native.cpu_flags():
-        pytest.skip("needs AVX2 and FMA")
     out = tmp_path / "layer_ops.so"
     subprocess.run([shutil.which("cc") or shutil.which("gcc"), "-O3", "-march=haswell",
                     *native.FLAGS[2:], "-fopenmp", "-o", str(out), str(layer_ops.SOURCE), "-lm"],
