@@ -15,7 +15,9 @@ from torch import nn
 from torch.nn import functional as F
 
 import server.models.layer_ops as layer_ops
+import server.quant.cpu_gemm as cpu_gemm
 from server.models.attention import paged_attention
+from server.models.decode_plan import DecodePlan
 from server.models.batch import ForwardBatch
 from server.models.config import ModelConfig
 from server.models.linear import Linear
@@ -200,6 +202,7 @@ class LlamaForCausalLM(nn.Module):
         # fp32 cos/sin tables, built on the first forward's device. Plain attributes, not buffers:
         # casting the model to bf16 must not round them.
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._plan: tuple[tuple, DecodePlan | None] | None = None  # (libraries, plan)
 
     def _rope_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if self._rope is None or self._rope[0].device != device:
@@ -218,9 +221,19 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.embed_tokens(batch.input_ids)
         rope_cos, rope_sin = self._rope_tables(x.device)
         rope = Rotary(rope_cos, rope_sin, batch.attention.positions, x.dtype)
+        plan = self._decode_plan() if x.device.type == "cpu" else None
+        if plan is not None and plan.takes(x, batch, kv_caches):
+            return self.model.norm(plan.run(x, rope, kv_caches, batch))
         for layer, (k_cache, v_cache) in zip(self.model.layers, kv_caches, strict=True):
             x = layer(x, rope, k_cache, v_cache, batch)
         return self.model.norm(x)
+
+    def _decode_plan(self) -> DecodePlan | None:
+        """The decode plan (decode_plan.py), rebuilt when the C libraries in use change."""
+        key = (layer_ops._lib(), cpu_gemm.checked())
+        if self._plan is None or self._plan[0] != key:
+            self._plan = (key, DecodePlan.build(self))
+        return self._plan[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] fp32 logits, for the rows that sample only."""

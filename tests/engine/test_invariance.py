@@ -125,3 +125,45 @@ def test_seeded_request_is_the_same_however_it_is_computed(weights, dtype):
     assert result(chunked) == want
     assert result(batched) == want
     assert result(preempted) == want
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_decode_steps_take_the_decode_plan_and_give_the_modules_numbers(weights, dtype,
+                                                                        monkeypatch):
+    """Steps of decodes only run through decode_plan.py where the layers are int4 in our
+    kernels' layout and the kernels take the compute dtype; the same request with the plan off (the modules) gets the same tokens and
+    logprobs bit for bit."""
+    from server.models.decode_plan import DecodePlan
+    from server.quant import cpu_gemm
+
+    model = build_model(*weights, CPU, dtype)
+    plan = model._decode_plan()
+    if not weights[2] or cpu_gemm.checked() is None:  # bf16 weights, or no kernels here
+        assert plan is None
+        return
+    assert plan is not None
+    runs = []
+    real_run = DecodePlan.run
+
+    def counted(self, *args):
+        runs.append(1)
+        return real_run(self, *args)
+
+    def generate():
+        e = Engine(model, EngineConfig(num_blocks=128), CPU, dtype)
+        seqs = [seeded()] + others(3)
+        for s in seqs:
+            e.add(s)
+        while e.has_unfinished:
+            e.step()
+        return [result(s) for s in seqs]
+
+    monkeypatch.setattr(DecodePlan, "run", counted)
+    planned = generate()
+    if dtype == torch.float32 and not cpu_gemm.takes_fp32():  # the layers round x to bf16
+        assert not runs
+        return
+    assert len(runs) >= 5  # the decode steps
+    monkeypatch.setattr(DecodePlan, "takes", lambda *args: False)
+    runs.clear()
+    assert generate() == planned and not runs

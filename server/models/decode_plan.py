@@ -1,0 +1,149 @@
+"""A step of decodes only, through the decoder layers in a few calls per layer (CPU kernels).
+
+At one sequence a layer's kernels take ~100 us and the Python around them took as much again:
+nine module calls, the quantized layers' dispatch, each C helper's checks and allocations, the
+attention groups' bookkeeping. When every row of a step is a generated token, the layers are
+int4 in our kernels' layout (cpu_gemm.py) and layer_ops.c is built, `DecodePlan.run` calls the
+same C functions on the same inputs with every shape checked once when the plan is built, into
+buffers allocated once per step, and the same PyTorch operators for the residual adds and
+SiLU * up. A row's numbers are therefore the ones the modules compute, bit for bit (tested), so
+steps that mix prompt rows in, which keep the modules, agree with it: batch invariance holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import server.models.layer_ops as layer_ops
+import server.quant.cpu_gemm as cpu_gemm
+from server.quant.int4 import Int4Linear
+
+
+@dataclass(slots=True)
+class _Layer:
+    norm1: torch.Tensor  # the two RMSNorm weights
+    norm2: torch.Tensor
+    qkv: Int4Linear
+    o: Int4Linear
+    gate_up: Int4Linear
+    down: Int4Linear
+
+
+def _int4(m: nn.Module | None) -> bool:
+    return (isinstance(m, Int4Linear) and m.q4x32 is not None and m.bias is None
+            and m.group_size % 2 == 0)
+
+
+class DecodePlan:
+    def __init__(self, model: nn.Module, layers: list[_Layer]) -> None:
+        c = model.config
+        self.hidden, self.inter = c.hidden_size, c.intermediate_size
+        self.hq, self.hkv, self.d = c.num_heads, c.num_kv_heads, c.head_dim
+        self.eps = c.rms_norm_eps
+        self.scale = c.head_dim**-0.5
+        self.layers = layers
+        self.ops, self.gemm_lib = layer_ops._lib(), cpu_gemm.checked()
+        self.max_group_count = max(max(m.in_features // m.group_size for m in (
+            la.qkv, la.o, la.gate_up, la.down)) for la in layers)
+
+    @staticmethod
+    def build(model: nn.Module) -> DecodePlan | None:
+        """The plan for this model, or None where it does not apply (then the modules run)."""
+        if not layer_ops.enabled() or cpu_gemm.checked() is None:
+            return None
+        c = model.config
+        if (c.head_dim % 16 or c.head_dim > layer_ops.MAX_DIM
+                or c.hidden_size > layer_ops.MAX_HIDDEN or c.num_heads % c.num_kv_heads):
+            return None
+        nq, nkv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        shapes = ((c.hidden_size, nq + 2 * nkv), (nq, c.hidden_size),
+                  (c.hidden_size, 2 * c.intermediate_size), (c.intermediate_size, c.hidden_size))
+        layers = []
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            parts = (getattr(attn, "qkv_proj", None), attn.o_proj,
+                     getattr(mlp, "gate_up_proj", None), mlp.down_proj)
+            if hasattr(attn, "q_norm") or not all(_int4(m) for m in parts):
+                return None
+            if any((m.in_features, m.out_features) != shape
+                   or m.q4x32.shape[0] * cpu_gemm.BLOCK != m.out_features
+                   or m.q4x32.shape[1] * m.group_size != m.in_features
+                   for m, shape in zip(parts, shapes, strict=True)):
+                return None
+            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            if any(n.eps != c.rms_norm_eps for n in norms):
+                return None
+            layers.append(_Layer(norms[0].weight, norms[1].weight, *parts))
+        return DecodePlan(model, layers)
+
+    def takes(self, x: torch.Tensor, batch, kv_caches) -> bool:
+        """Whether this step is one the plan runs: decodes only, in step order, on the CPU, in
+        a dtype the kernels take, with caches layer_ops reads."""
+        meta, rows = batch.attention, batch.rows
+        if rows is not None and rows.prompt is not None:
+            return False
+        if len(meta.groups) != 1 or not meta.groups[0].whole_step:
+            return False
+        g = meta.groups[0]
+        if g.first_tile >= 0 or g.lens is None or x.device.type != "cpu":
+            return False
+        if x.dtype == torch.float32:
+            if not cpu_gemm.takes_fp32(self.gemm_lib):
+                return False
+        elif x.dtype != torch.bfloat16:
+            return False
+        k, v = kv_caches[0]
+        index = (meta.positions, meta.slot_mapping, g.context_slots, g.lens)
+        return (k.dtype == v.dtype and k.dtype in (torch.float32, torch.bfloat16)
+                and k.is_contiguous() and v.is_contiguous() and x.is_contiguous()
+                and self.layers[0].norm1.dtype == x.dtype
+                and all(i.dtype == torch.int64 and i.is_contiguous() for i in index))
+
+    def run(self, x: torch.Tensor, rope, kv_caches, batch) -> torch.Tensor:
+        """x [T, hidden] (the embeddings, updated in place) -> the last layer's output."""
+        meta = batch.attention
+        g = meta.groups[0]
+        t, h, dt = x.shape[0], self.hidden, x.dtype
+        bf16 = int(dt == torch.bfloat16)
+        cache_bf16 = int(kv_caches[0][0].dtype == torch.bfloat16)
+        nq, nkv = self.hq * self.d, self.hkv * self.d
+        normed, proj = x.new_empty(t, h), x.new_empty(t, h)
+        qkv = x.new_empty(t, nq + 2 * nkv)
+        q, att = x.new_empty(t, self.hq, self.d), x.new_empty(t, nq)
+        gu = x.new_empty(t, 2 * self.inter)
+        gate, up = gu.chunk(2, dim=-1)
+        xsum = torch.empty(t * self.max_group_count, dtype=torch.float32)
+        ops = self.ops
+        gemm = self.gemm_lib.int4_gemm if bf16 else self.gemm_lib.int4_gemm_f32
+        xp, np_, pp, qkvp, qp, ap, gup, xs = (a.data_ptr() for a in (
+            x, normed, proj, qkv, q, att, gu, xsum))
+        cos, sin = rope.cos_table.data_ptr(), rope.sin_table.data_ptr()
+        pos, slots = rope.positions.data_ptr(), meta.slot_mapping.data_ptr()
+        ctx, lens, max_ctx = g.context_slots.data_ptr(), g.lens.data_ptr(), g.context_slots.shape[1]
+        num_slots = kv_caches[0][0].shape[1]
+        failed = 0
+        for la, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            kc, vc = k_cache.data_ptr(), v_cache.data_ptr()
+            failed |= ops.rms_norm(xp, la.norm1.data_ptr(), np_, t, h, self.eps, bf16)
+            failed |= gemm(np_, la.qkv.q4x32.data_ptr(), qkvp, xs, t, nq + 2 * nkv, h,
+                           la.qkv.group_size)
+            failed |= ops.rope_store(qkvp, t, nq + 2 * nkv, self.hq, self.hkv, self.d, cos, sin,
+                                     pos, slots, qp, kc, vc, num_slots, bf16, cache_bf16)
+            failed |= ops.paged_decode(qp, kc, vc, ctx, lens, ap, t, self.hq, self.hkv, self.d,
+                                       max_ctx, num_slots, self.scale, bf16, cache_bf16)
+            failed |= gemm(ap, la.o.q4x32.data_ptr(), pp, xs, t, h, nq, la.o.group_size)
+            x.add_(proj)
+            failed |= ops.rms_norm(xp, la.norm2.data_ptr(), np_, t, h, self.eps, bf16)
+            failed |= gemm(np_, la.gate_up.q4x32.data_ptr(), gup, xs, t, 2 * self.inter, h,
+                           la.gate_up.group_size)
+            act = F.silu(gate) * up
+            failed |= gemm(act.data_ptr(), la.down.q4x32.data_ptr(), pp, xs, t, h, self.inter,
+                           la.down.group_size)
+            x.add_(proj)
+        if failed:  # shapes were checked when the plan was built: a kernel's own refusal
+            raise RuntimeError("a CPU kernel declined a decode step it was planned for")
+        return x
