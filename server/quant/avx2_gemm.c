@@ -118,6 +118,24 @@ static void quantize16(const float *x, int64_t m, int64_t k, int64_t group, int1
         }
 }
 
+/* x's int16 form in one allocation (free it): X [m * k], then a and the sums [m * k / group]
+ * each (k is even, so the floats are aligned). NULL if out of memory. */
+typedef struct {
+    int16_t *q;
+    float *a, *sum;
+} rows16;
+
+static void *quantize_rows(const float *x, int64_t m, int64_t k, int64_t group, rows16 *r) {
+    int64_t cells = m * (k / group);
+    char *block = malloc((size_t)(m * k) * sizeof(int16_t) + (size_t)(2 * cells) * sizeof(float));
+    if (!block) return NULL;
+    r->q = (int16_t *)block;
+    r->a = (float *)(block + (size_t)(m * k) * sizeof(int16_t));
+    r->sum = r->a + cells;
+    quantize16(x, m, k, group, r->q, r->a, r->sum);
+    return block;
+}
+
 /* Rows [0, r) against the half `hb` of one block (outputs 8hb..8hb+7 and 16+8hb..16+8hb+7).
  * Per pair of inputs the half's 16 bytes widen to 16 int16 lanes: lane 2i + h is byte 2i + h,
  * q[o, 2p + h] in its low nibble and q[o + 16, 2p + h] in its high one (o = 8hb + i), so the
@@ -183,19 +201,15 @@ static inline void block(const int16_t *xq, int64_t k, const float *xa, const fl
     half_block(xq, k, xa, xsum, groups, group, blk, y, n, r, 1, out_fp32);
 }
 
-/* xf: fp32 [m, k]; y: [m, n], bf16 or (out_fp32) fp32; xsum: fp32 [m * k / group] scratch.
- * Returns nonzero if out of memory. */
-static int gemm4(const float *xf, const uint8_t *packed, void *y, float *xsum, int64_t m,
-                 int64_t n, int64_t k, int64_t group, int out_fp32) {
+/* xf: fp32 [m, k]; y: [m, n], bf16 or (out_fp32) fp32. Returns nonzero if out of memory. */
+static int gemm4(const float *xf, const uint8_t *packed, void *y, int64_t m, int64_t n,
+                 int64_t k, int64_t group, int out_fp32) {
     int64_t groups = k / group, blocks = n / 32;
-    int16_t *xq = malloc((size_t)(m * k) * sizeof(int16_t));
-    float *xa = malloc((size_t)(m * groups) * sizeof(float));
-    if (!xq || !xa) {
-        free(xq);
-        free(xa);
-        return 1;
-    }
-    quantize16(xf, m, k, group, xq, xa, xsum);
+    rows16 x16;
+    void *mem = quantize_rows(xf, m, k, group, &x16);
+    if (!mem) return 1;
+    const int16_t *xq = x16.q;
+    const float *xa = x16.a, *xsum = x16.sum;
     #pragma omp parallel for schedule(static) if (blocks >= 4)
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *blk = packed + b * groups * group_bytes(group);
@@ -216,18 +230,17 @@ static int gemm4(const float *xf, const uint8_t *packed, void *y, float *xsum, i
             }
         }
     }
-    free(xq);
-    free(xa);
+    free(mem);
     return 0;
 }
 
-/* x: bf16 [m, k]; y: bf16 [m, n]; xsum: fp32 [m * k / group] scratch (x's sums per group). */
+/* x: bf16 [m, k]; y: bf16 [m, n]; xsum: avx512_gemm.c's scratch, unused here. */
 int int4_gemm(const uint16_t *x, const uint8_t *packed, uint16_t *y, float *xsum, int64_t m,
               int64_t n, int64_t k, int64_t group) {
     if (n % 32 || k % group || group % 2) return 1;
     float *xf = to_fp32(x, m, k);
     if (!xf) return 1;
-    int failed = gemm4(xf, packed, y, xsum, m, n, k, group, 0);
+    int failed = gemm4(xf, packed, y, m, n, k, group, 0);
     free(xf);
     return failed;
 }
@@ -236,7 +249,7 @@ int int4_gemm(const uint16_t *x, const uint8_t *packed, uint16_t *y, float *xsum
 int int4_gemm_f32(const float *x, const uint8_t *packed, float *y, float *xsum, int64_t m,
                   int64_t n, int64_t k, int64_t group) {
     if (n % 32 || k % group || group % 2) return 1;
-    return gemm4(x, packed, y, xsum, m, n, k, group, 1);
+    return gemm4(x, packed, y, m, n, k, group, 1);
 }
 
 /* The weight as bf16 [k][n] (transposed), rows [k0, k1): w = (q - 8) * scale + zero in fp32,
@@ -332,16 +345,11 @@ static int gemm8(const float *xf, const int8_t *packed, const float *scale, void
             xg = c;
             break;
         }
-    int16_t *xq = malloc((size_t)(m * k) * sizeof(int16_t));
-    float *xa = malloc((size_t)(m * (k / xg)) * sizeof(float));
-    float *xsum = malloc((size_t)(m * (k / xg)) * sizeof(float));
-    if (!xq || !xa || !xsum) {
-        free(xq);
-        free(xa);
-        free(xsum);
-        return 1;
-    }
-    quantize16(xf, m, k, xg, xq, xa, xsum);
+    rows16 x16;
+    void *mem = quantize_rows(xf, m, k, xg, &x16);
+    if (!mem) return 1;
+    const int16_t *xq = x16.q;
+    const float *xa = x16.a;
     #pragma omp parallel for schedule(static) if (blocks >= 4)
     for (int64_t b = 0; b < blocks; b++) {
         const int8_t *blk = packed + b * k * 32;
@@ -355,9 +363,7 @@ static int gemm8(const float *xf, const int8_t *packed, const float *scale, void
             else block8(xi, k, ai, xg, blk, sc, yi, n, 1, out_fp32);
         }
     }
-    free(xq);
-    free(xa);
-    free(xsum);
+    free(mem);
     return 0;
 }
 
