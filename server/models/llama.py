@@ -17,9 +17,9 @@ from torch.nn import functional as F
 import server.models.layer_ops as layer_ops
 import server.quant.cpu_gemm as cpu_gemm
 from server.models.attention import paged_attention
-from server.models.decode_plan import DecodePlan
 from server.models.batch import ForwardBatch
 from server.models.config import ModelConfig
+from server.models.decode_plan import DecodePlan
 from server.models.linear import Linear
 from server.quant import fuse_linears
 from server.quant.rows import RowSplit
