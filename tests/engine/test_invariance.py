@@ -131,8 +131,8 @@ def test_seeded_request_is_the_same_however_it_is_computed(weights, dtype):
 def test_decode_steps_take_the_decode_plan_and_give_the_modules_numbers(weights, dtype,
                                                                         monkeypatch):
     """Steps of decodes only run through decode_plan.py where the layers are int4 in our
-    kernels' layout and the kernels take the compute dtype; the same request with the plan off (the modules) gets the same tokens and
-    logprobs bit for bit."""
+    kernels' layout and the kernels take the compute dtype; the same request with the plan off
+    (the modules) gets the same tokens and logprobs bit for bit."""
     from server.models.decode_plan import DecodePlan
     from server.quant import cpu_gemm
 
