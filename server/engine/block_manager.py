@@ -2,7 +2,13 @@
 blocks' memory is resident. No torch.
 
 A full block is known by a chained hash of (parent block's hash, its token ids), salted per
-tenant so tenants never share cache; a hit is verified against the stored token ids. Blocks are
+tenant so tenants never share cache; a hit is verified against the stored token ids. A block
+holding generated tokens hashes apart from the same tokens as prompt: the model computes a
+generated token's keys and values with other kernels than a prompt token's (decode attention,
+the decode plan), so a follow-up turn whose prompt repeats the last reply computes those tokens
+as prompt, as it would cold, instead of reusing the reply's blocks (which would make its
+logprobs depend on what the cache held); a preempted sequence still resumes from its own
+generated blocks, where they are generated tokens again. Blocks are
 reference-counted. A block whose count drops to zero keeps its hash, so a later request can
 still reuse it until it is taken for new data (least recently freed first). A sequence's blocks
 are freed tail-first, so the end of a chain is evicted before its beginning.
@@ -37,11 +43,20 @@ class Block:
     is_resident: bool = False  # written since the pool was made or its memory handed back
 
 
-def chain_hash(parent: bytes | None, token_ids: list[int] | tuple[int, ...], salt: str) -> bytes:
-    """sha256 over the parent's hash (or the tenant salt for a first block) and the tokens."""
+def chain_hash(parent: bytes | None, token_ids: list[int] | tuple[int, ...], salt: str,
+               generated: bool = False) -> bytes:
+    """sha256 over the parent's hash (or the tenant salt for a first block), the tokens and
+    whether the block holds generated tokens."""
     h = hashlib.sha256(parent if parent is not None else b"root:" + salt.encode())
     h.update(array("q", token_ids).tobytes())
+    if generated:
+        h.update(b"generated")
     return h.digest()
+
+
+def holds_generated(seq: Sequence, block_index: int, block_size: int) -> bool:
+    """Whether seq's block `block_index` holds any of its generated tokens."""
+    return (block_index + 1) * block_size > seq.num_prompt_tokens
 
 
 class BlockManager:
@@ -95,7 +110,8 @@ class BlockManager:
         parent = None
         for start in range(0, seq.num_tokens - 1 - bs + 1, bs):
             tokens = tuple(seq.token_ids[start:start + bs])
-            parent = chain_hash(parent, tokens, seq.cache_salt)
+            parent = chain_hash(parent, tokens, seq.cache_salt,
+                                holds_generated(seq, start // bs, bs))
             block_id = self.cached.get(parent)
             if block_id is None or self.blocks[block_id].token_ids != tokens:
                 break
@@ -159,7 +175,8 @@ class BlockManager:
         bs = self.block_size
         for i in range(seq.num_hashed_blocks, seq.num_computed_tokens // bs):
             tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-            block_hash = chain_hash(seq.last_block_hash, tokens, seq.cache_salt)
+            block_hash = chain_hash(seq.last_block_hash, tokens, seq.cache_salt,
+                                    holds_generated(seq, i, bs))
             if block_hash not in self.cached:  # an identical block computed elsewhere stays
                 block = self.blocks[seq.block_table[i]]
                 block.block_hash, block.token_ids = block_hash, tokens

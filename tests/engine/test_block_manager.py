@@ -63,6 +63,26 @@ def test_tenants_never_share():
     assert chain_hash(None, (1, 2), "a") != chain_hash(None, (1, 2), "b")
 
 
+def test_generated_blocks_serve_their_own_sequence_not_a_prompt_repeating_them():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = seq(range(6))  # prompt 0-5; then it generates 6-10
+    admit(bm, a)
+    for t in range(6, 11):
+        a.token_ids.append(t)
+        bm.append_slots(a, 1)
+        a.num_computed_tokens += 1
+        bm.cache_full_blocks(a)
+    # Block 0 is prompt; block 1 (4, 5, 6, 7) holds generated tokens: another hash domain.
+    assert len(bm.cached) == 2
+    assert bm.blocks[1].block_hash != chain_hash(bm.blocks[0].block_hash, (4, 5, 6, 7), "")
+    # A follow-up whose prompt repeats the reply reuses only the prompt block...
+    assert bm.match_prefix(seq(range(11))) == [0]
+    # ...while the sequence itself, preempted and resumed, finds both.
+    bm.free(a)
+    a.num_computed_tokens, a.block_table, a.num_hashed_blocks = 0, [], 0
+    assert bm.match_prefix(a) == [0, 1]
+
+
 def test_freed_blocks_stay_cached_until_reused_lru():
     bm = BlockManager(num_blocks=4, block_size=4)
     a = seq(range(9))  # blocks 0, 1 (cached), 2 (partial)

@@ -128,6 +128,33 @@ def test_seeded_request_is_the_same_however_it_is_computed(weights, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_follow_up_turn_is_the_same_whatever_the_cache_holds_of_the_reply(weights, dtype):
+    """A chat's next turn repeats the last reply in its prompt. The reply's blocks were computed
+    as generated tokens (decode attention, the decode plan), which round otherwise than prompt
+    tokens; reused, they made the next turn's logprobs depend on whether the cache still held
+    them. Now the follow-up computes the reply as prompt, as a cold server does, and reuses only
+    the first turn's prompt blocks."""
+    model = build_model(*weights, CPU, dtype)
+
+    def run(e: Engine, ids: list[int], n: int) -> Sequence:
+        s = Sequence(ids, SamplingParams(max_tokens=n, temperature=0.9, seed=7, logprobs=True,
+                                         top_logprobs=2, ignore_eos=True))
+        e.add(s)
+        while e.has_unfinished:
+            e.step()
+        return s
+
+    first = prompt(40, 1)
+    e = Engine(model, EngineConfig(num_blocks=128), CPU, dtype)
+    reply = run(e, first, 60).output_token_ids
+    follow_up = first + reply + prompt(5, 2)
+    warm = run(e, follow_up, 6)
+    assert warm.num_cached_tokens == 32  # the first turn's two full prompt blocks
+    cold = run(Engine(model, EngineConfig(num_blocks=128), CPU, dtype), follow_up, 6)
+    assert result(warm) == result(cold)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_decode_steps_take_the_decode_plan_and_give_the_modules_numbers(weights, dtype,
                                                                         monkeypatch):
     """Steps of decodes only run through decode_plan.py where the layers are int4 in our
