@@ -135,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
                 max_itl_stretch=args.max_itl_stretch or None,
                 prefix_cache_bytes=args.prefix_cache_mb << 20,
                 idle_release_seconds=args.idle_release_seconds or None,
-                idle_cache_bytes=args.idle_cache_mb << 20),
+                idle_cache_bytes=args.idle_cache_mb << 20, recache_replies_after=0.5),
             device=args.device, dtype=args.dtype, threads=args.threads,
             prices=Prices(args.price_input, args.price_output, args.batch_discount),
             batch_window_seconds=args.batch_window,

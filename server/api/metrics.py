@@ -125,6 +125,10 @@ def render(model: str, api: ApiMetrics, stats: dict[str, Any] | None) -> str:
                [(m, stats["prefix_cache_hits"])])
         metric("num_preemptions_total", "counter", "Sequences preempted for lack of KV blocks.",
                [(m, stats["num_preemptions"])])
+        metric("replies_recached_total", "counter", "Finished replies computed as prompt while "
+               "idle, for the next turn.", [(m, stats["replies_recached"])])
+        metric("replies_to_recache", "gauge", "Finished replies waiting to be computed as "
+               "prompt (the server is idle for them).", [(m, stats["replies_to_recache"])])
         for key, name, help_ in (("prompt_tokens", "prompt_tokens_total",
                                   "Prompt tokens computed."),
                                  ("generation_tokens", "generation_tokens_total",

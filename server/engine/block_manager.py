@@ -135,8 +135,9 @@ class BlockManager:
         seq.last_block_hash = self.blocks[hits[-1]].block_hash if hits else None
         seq.num_computed_tokens = len(hits) * self.block_size
         seq.num_cached_tokens = seq.num_computed_tokens
-        self.num_cache_queries += seq.num_tokens
-        self.num_cache_hits += seq.num_cached_tokens
+        if not seq.internal:
+            self.num_cache_queries += seq.num_tokens
+            self.num_cache_hits += seq.num_cached_tokens
         self.append_slots(seq, num_new_tokens)
 
     # -- growth --------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import torch
 from server.engine.block_manager import BlockManager
 from server.engine.model_runner import ModelRunner, kv_bytes_per_block
 from server.engine.pacing import MIN_PREFILL_CHUNK, PrefillPacer
+from server.engine.recache import ReplyRecache
 from server.engine.scheduler import Scheduler, SchedulerOutput
 from server.engine.sequence import Sequence, SequenceStatus
 
@@ -63,6 +64,9 @@ class EngineConfig:
     # (five minutes, as Ollama keeps a model; short pauses keep the whole cache).
     idle_release_seconds: float | None = 300.0
     idle_cache_bytes: int = 0
+    # Idle this long (None: never), compute finished interactive replies as prompt for the
+    # next turn (recache.py).
+    recache_replies_after: float | None = None
 
     def __post_init__(self) -> None:
         at_least(self, 1, "block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens",
@@ -116,13 +120,15 @@ class Engine:
         self.runner = ModelRunner(model, num_blocks, config.block_size, device, dtype,
                                   config.kv_cache_dtype)
         self.metrics = Metrics()
+        self.recache = ReplyRecache(config.block_size, config.recache_replies_after
+                                    if config.enable_prefix_caching else None)
 
     def add(self, seq: Sequence) -> None:
         """Queue seq; raises RequestTooLargeError if it could never run."""
         self.scheduler.add(seq)
 
     def step(self) -> StepOutput:
-        out = self.scheduler.schedule()
+        out = self.scheduler.schedule(self.recache.before_step(self.scheduler, self.abort))
         result = None
         if not out.is_empty:
             t = time.perf_counter()
@@ -130,6 +136,8 @@ class Engine:
             self._pace(out, time.perf_counter() - t)
         finished = self.scheduler.update(out, result.token_ids if result else [])
         self._record(out, result, finished)
+        for seq in finished:
+            self.recache.offer(seq)
         if not self.has_unfinished:  # idle: hand the step's freed temporaries back (~0.1 ms)
             release_freed_memory()
         return StepOutput(out, finished)
@@ -145,9 +153,11 @@ class Engine:
         m.num_steps += 1
         sampling = [s for s, f in zip(out.seqs, out.is_sampling, strict=True) if f]
         for seq, n in zip(out.seqs, out.num_new_tokens, strict=True):
-            if seq.num_computed_tokens <= seq.num_prompt_tokens:
+            if seq.num_computed_tokens <= seq.num_prompt_tokens and not seq.internal:
                 m.num_prompt_tokens[seq.priority] = m.num_prompt_tokens.get(seq.priority, 0) + n
         for k, seq in enumerate(sampling):
+            if seq.internal:
+                continue
             m.num_generation_tokens[seq.priority] = m.num_generation_tokens.get(seq.priority,
                                                                                 0) + 1
             if result is not None and result.logprobs is not None and seq.params.logprobs:
@@ -173,8 +183,8 @@ class Engine:
         """A snapshot of the counters behind /metrics."""
         bm, sched, m = self.block_manager, self.scheduler, self.metrics
         return {
-            "num_running": len(sched.running),
-            "num_waiting": len(sched.waiting),
+            "num_running": sum(not s.internal for s in sched.running),
+            "num_waiting": sum(not s.internal for s in sched.waiting),
             "kv_blocks_used": bm.num_used_blocks,
             "kv_blocks_total": len(bm.blocks),
             "kv_blocks_resident": bm.num_resident_blocks,
@@ -183,6 +193,8 @@ class Engine:
             "prefix_cache_queries": bm.num_cache_queries,
             "prefix_cache_hits": bm.num_cache_hits,
             "num_preemptions": sched.num_preemptions,
+            "replies_recached": self.recache.num_done,
+            "replies_to_recache": self.recache.num_pending,
             "prompt_tokens": dict(m.num_prompt_tokens),
             "generation_tokens": dict(m.num_generation_tokens),
             "num_steps": m.num_steps,
@@ -195,7 +207,7 @@ class Engine:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or self.recache.ready(self.scheduler)
 
     @property
     def vocab_size(self) -> int:

@@ -128,7 +128,8 @@ class Scheduler:
 
     # -- the step ------------------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, budget: int | None = None) -> SchedulerOutput:
+        """The next step (`budget`: its token budget, default max_num_batched_tokens)."""
         # Every sequence is "computed tokens catch up with known tokens": a new prompt starts
         # at 0 (or at its prefix-cache hit), a chunk of a long prompt advances it by the chunk,
         # a decode computes the one token sampled last step, and a preempted sequence falls back
@@ -141,7 +142,7 @@ class Scheduler:
         # priority has work, lower-priority sequences compute at most max_num_shared_seqs per
         # step (the oldest), so steps stay short for interactive streams.
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
+        budget = budget or self.max_num_batched_tokens
         bm = self.block_manager
         urgent = self.waiting[0].priority if self.waiting else None
         top = min((x.priority for x in (*self.running[:1], *self.waiting[:1])), default=0)

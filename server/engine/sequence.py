@@ -109,6 +109,7 @@ class Sequence:
     grammar: GrammarState | None = None
     pooling: Pooling | None = None  # an embedding request: prefill only, then pooled
     embedding: list[float] | None = None  # its vector, once the prompt is computed
+    internal: bool = False  # the engine's own work (recache.py): no request, not counted
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.token_ids)  # owned: outputs are appended to it

@@ -99,6 +99,29 @@ def test_seeded_request_is_the_same_cold_cached_batched_and_chunked(real_server,
     assert chunked[:2] == cold[:2]
 
 
+def test_next_turn_reuses_the_reply_the_idle_server_computed_as_prompt(client, real_server):
+    """A chat's next turn repeats the reply (re-tokenized from its text, the same ids here).
+    Replies' own blocks are never reused as prompt (other kernels, other numbers); the idle
+    server computes each as prompt instead, and the next turn hits those blocks."""
+    import time
+
+    messages = [{"role": "user", "content": "Write three sentences about rivers."}]
+    first = client.chat.completions.create(model="smollm2-135m", messages=messages,
+                                           max_tokens=80, temperature=0)
+    deadline = time.monotonic() + 120  # the server starts after 0.5 s idle; no timing assumed
+    while real_server.metrics()["localserve:replies_to_recache"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert real_server.metrics()["localserve:replies_to_recache"] == 0
+    assert real_server.metrics()["localserve:replies_recached_total"] >= 1
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "Now one more."}]
+    second = client.chat.completions.create(model="smollm2-135m", messages=messages,
+                                            max_tokens=4, temperature=0)
+    turn_one = first.usage.prompt_tokens + first.usage.completion_tokens
+    assert first.usage.completion_tokens >= 32  # the reply fills blocks of its own
+    assert second.usage.prompt_tokens_details.cached_tokens == turn_one // 16 * 16
+
+
 def test_every_protocol_gives_the_same_greedy_answer(client, real_server):
     """Chat, Responses and Anthropic Messages render the same messages through the same
     template, so a greedy answer is the same tokens whichever SDK asks (no margin needed:

@@ -207,6 +207,35 @@ def test_paced_engine_keeps_decoding_while_a_long_prompt_arrives(llama):
                                                      for i in range(4)]
 
 
+def test_idle_engine_computes_a_finished_reply_as_prompt_and_yields_to_arrivals(llama):
+    """recache.py: once idle, the engine computes the last reply as prompt, 32 tokens a step,
+    for the next turn; an arrival drops it at once (what it computed stays cached), and it
+    never shows in the counters."""
+    engine = Engine(llama, EngineConfig(num_blocks=128, recache_replies_after=0.0), CPU,
+                    torch.float32)
+    first = Sequence(prompt(20, 1), greedy(60))
+    engine.add(first)
+    while not first.status.is_finished:
+        engine.step()
+    counters = engine.stats()
+    assert engine.has_unfinished  # the reply's turn as prompt is queued
+    out = engine.step().scheduled  # its first block is the cached prompt block
+    assert [s.internal for s in out.seqs] == [True] and out.num_new_tokens == [32]
+    late = Sequence(prompt(9, 2), greedy(3))
+    engine.add(late)
+    assert engine.step().scheduled.seqs == [late]
+    while engine.has_unfinished:
+        engine.step()
+    stats = engine.stats()
+    assert stats["prompt_tokens"] == {0: counters["prompt_tokens"][0] + 9}
+    assert stats["generation_tokens"] == {0: counters["generation_tokens"][0] + 3}
+    assert stats["prefix_cache_queries"] == counters["prefix_cache_queries"] + 9
+    assert engine.block_manager.num_free_blocks == len(engine.block_manager.blocks)
+    # The next turn reuses the prompt block and the two blocks computed before the arrival.
+    next_turn = Sequence(first.token_ids + prompt(4, 3), greedy(2))
+    assert len(engine.block_manager.match_prefix(next_turn)) == 3
+
+
 def test_bf16_kv_pool_holds_twice_the_blocks_and_gives_the_same_tokens(llama):
     budget = 1 << 20
     fp32 = Engine(llama, EngineConfig(kv_cache_bytes=budget), CPU, torch.float32)

@@ -128,12 +128,15 @@ def test_seeded_request_is_the_same_however_it_is_computed(weights, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_a_follow_up_turn_is_the_same_whatever_the_cache_holds_of_the_reply(weights, dtype):
+@pytest.mark.parametrize("recache", [False, True], ids=["reply-recomputed", "recached-idle"])
+def test_a_follow_up_turn_is_the_same_whatever_the_cache_holds_of_the_reply(weights, dtype,
+                                                                            recache):
     """A chat's next turn repeats the last reply in its prompt. The reply's blocks were computed
     as generated tokens (decode attention, the decode plan), which round otherwise than prompt
     tokens; reused, they made the next turn's logprobs depend on whether the cache still held
     them. Now the follow-up computes the reply as prompt, as a cold server does, and reuses only
-    the first turn's prompt blocks."""
+    the first turn's prompt blocks; or (recache.py) the idle engine has computed it so, and the
+    follow-up reuses those blocks with the same numbers."""
     model = build_model(*weights, CPU, dtype)
 
     def run(e: Engine, ids: list[int], n: int) -> Sequence:
@@ -145,11 +148,13 @@ def test_a_follow_up_turn_is_the_same_whatever_the_cache_holds_of_the_reply(weig
         return s
 
     first = prompt(40, 1)
-    e = Engine(model, EngineConfig(num_blocks=128), CPU, dtype)
-    reply = run(e, first, 60).output_token_ids
+    config = EngineConfig(num_blocks=128, recache_replies_after=0.0 if recache else None)
+    e = Engine(model, config, CPU, dtype)
+    reply = run(e, first, 60).output_token_ids  # run() steps until idle: recached by then
     follow_up = first + reply + prompt(5, 2)
     warm = run(e, follow_up, 6)
-    assert warm.num_cached_tokens == 32  # the first turn's two full prompt blocks
+    # the first turn's two full prompt blocks; recached, the reply's too (100 tokens)
+    assert warm.num_cached_tokens == (96 if recache else 32)
     cold = run(Engine(model, EngineConfig(num_blocks=128), CPU, dtype), follow_up, 6)
     assert result(warm) == result(cold)
 
