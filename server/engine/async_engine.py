@@ -271,6 +271,7 @@ class AsyncEngine:
                 self.engine.abort(seq)
             req.loop.call_soon_threadsafe(req.queue.put_nowait, error)
         self._requests.clear()
+        self.engine.drop_internal()  # or it would fail again, step after step
 
 
 def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:

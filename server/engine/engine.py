@@ -205,6 +205,12 @@ class Engine:
         self.scheduler.abort(seq, status)
         self.runner.release(seq)
 
+    def drop_internal(self) -> None:
+        """After a failed step: the engine's own work goes too (recache.py)."""
+        for seq in [s for s in (*self.scheduler.running, *self.scheduler.waiting) if s.internal]:
+            self.abort(seq)
+        self.recache.pending.clear()
+
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished or self.recache.ready(self.scheduler)

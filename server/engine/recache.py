@@ -87,6 +87,6 @@ class ReplyRecache:
 
     def _current(self) -> Sequence | None:
         if self.running is not None and self.running.status.is_finished:
-            self.num_done += 1
+            self.num_done += self.running.status != SequenceStatus.FINISHED_ABORTED
             self.running = None
         return self.running

@@ -120,3 +120,37 @@ async def test_logprobs_stream_one_entry_per_token(engine):
         [(token, lp, tops)] = c.logprobs
         assert token == c.token_ids[0] and len(tops) == 2
         assert tops[0][0] == token and lp == pytest.approx(tops[0][1])  # greedy took the top
+
+
+@pytest.mark.asyncio
+async def test_a_failing_step_drops_the_idle_reply_recompute_too(model):
+    """The idle engine's own work (recache.py) fails with the step like requests do, instead
+    of failing again at every step; the engine then serves the next request."""
+    e = AsyncEngine(Engine(model, EngineConfig(num_blocks=32, recache_replies_after=0.0), CPU,
+                           torch.float32), make_tokenizer(), eos_token_ids=(2,))
+    try:
+        run = e.engine.runner.run
+
+        def failing(out):
+            raise RuntimeError("a kernel failed")
+
+        e.engine.runner.run = failing
+        with pytest.raises(RuntimeError):
+            await collect(e, list(range(20)), SamplingParams(max_tokens=30, ignore_eos=True))
+        def failing_alone(out):  # the reply's recompute fails, the request does not
+            return failing(out) if all(s.internal for s in out.seqs) else run(out)
+
+        e.engine.runner.run = failing_alone
+        await collect(e, list(range(20)), SamplingParams(max_tokens=30, temperature=0.0,
+                                                         ignore_eos=True))
+        for _ in range(200):
+            if not e.engine.has_unfinished:
+                break
+            await asyncio.sleep(0.02)
+        assert not e.engine.has_unfinished and e.engine.recache.num_done == 0
+        e.engine.runner.run = run
+        chunks = await collect(e, list(range(9)), SamplingParams(max_tokens=3, temperature=0.0,
+                                                                 ignore_eos=True))
+        assert chunks[-1].finish_reason == "length"
+    finally:
+        e.shutdown()
