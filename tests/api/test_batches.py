@@ -291,8 +291,9 @@ def test_usage_splits_batch_from_interactive_with_the_discount(client, server):
 
 @pytest.fixture
 def window_server(tiny_home, tmp_path):
-    """Batches expire after 2 seconds."""
-    proc = own_server(tiny_home, tmp_path, [MODEL, "--batch-window", "2",
+    """Batches expire after 5 seconds: time for 4 short lines on a slow CI machine (2 s once
+    left none done in a fresh clone), none for the 3,000-token ones queued behind them."""
+    proc = own_server(tiny_home, tmp_path, [MODEL, "--batch-window", "5",
                                             "--batch-max-running", "4"])
     yield proc
     proc.stop()
