@@ -82,8 +82,9 @@ class ReplyRecache:
 
     @property
     def num_pending(self) -> int:
-        """Replies queued or being computed."""
-        return len(self.pending) + (self._current() is not None)
+        """Replies queued or being computed (read from other threads: changes nothing)."""
+        running = self.running
+        return len(self.pending) + (running is not None and not running.status.is_finished)
 
     def _current(self) -> Sequence | None:
         if self.running is not None and self.running.status.is_finished:
