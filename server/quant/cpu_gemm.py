@@ -66,7 +66,8 @@ BLOCK = 32  # outputs per block of the layout: a layer's out_features must be a 
 # kernel (AMX tiles); on AVX-512 BF16 without AMX the two are even at 16-64 rows (300-340
 # GFLOP/s on Zen 4, benchmarks/kernels.py) and this kernel needs no unpacked copy, so every
 # row takes it; on AVX2 oneDNN's bf16 GEMM is 4x slower than avx2_gemm.c at 64 rows (2.9 ms
-# against 0.73 ms for 1536 x 576, measured on Zen 4 limited to AVX2).
+# against 0.73 ms for 1536 x 576, measured on Zen 4 limited to AVX2). For int4 and int8 layers
+# alike (int8.py).
 PROMPTS_UNPACKED = "amx_bf16" in native.cpu_flags()
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _DTYPES = (torch.bfloat16, torch.float32)
