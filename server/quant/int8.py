@@ -60,12 +60,18 @@ class Int8Linear(nn.Module):
             "int8", _sample_int8_kernel(self.in_features), self.in_features)
 
     def forward(self, x: torch.Tensor, rows: RowSplit | None = None) -> torch.Tensor:
+        # Our kernels take fp32 activations as they are where the machine computes in fp32
+        # (avx2_gemm.c: int16 per group, not rounded to bf16), as for int4 layers.
+        as_is = x.dtype == torch.bfloat16 or (x.dtype == torch.float32 and self.q8 is not None
+                                              and cpu_gemm.takes_fp32())
         if (self.q8 is not None and (rows is None or rows.prompt is None) and x.dim() == 2
-                and x.dtype == torch.bfloat16):
+                and as_is):
             y = self._kernel(x)  # no prompt rows: the short way
             return y if self.bias is None else y + self.bias
         if self.kernel_scale is not None:
-            x2 = x.reshape(-1, self.in_features).bfloat16()
+            x2 = x.reshape(-1, self.in_features)
+            if not as_is or self.unpacked_numel():  # the bf16 GEMM on unpacked weights
+                x2 = x2.bfloat16()
             y = rows_mm(self, x2, rows, self._packed_mm)  # prompt rows: bf16 GEMM
             if y is None:
                 y = self._packed_mm(x2)
@@ -92,7 +98,7 @@ class Int8Linear(nn.Module):
 
     def _kernel(self, x2: torch.Tensor) -> torch.Tensor:
         if self.q8 is not None:
-            y = cpu_gemm.gemm_int8(x2, self.q8, self.q8_scale)
+            y = cpu_gemm.gemm_int8(x2, self.q8, self.q8_scale, out_dtype=x2.dtype)
             if y is None:
                 raise RuntimeError("cpu_gemm declined a layer it was built for")
             return y

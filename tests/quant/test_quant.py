@@ -305,7 +305,8 @@ def test_a_tied_embedding_reads_its_heads_layout(kernel_kind):
 
 def test_fp32_activations_go_through_unrounded_where_the_kernels_take_them(kernel_kind):
     """avx2_gemm.c takes fp32 activations (CPUs without fast bf16 compute in fp32), never
-    rounded to bf16: int4 and int8 results within their int16 activations' error (2^-16 of each
+    rounded to bf16: int4 and int8 results (an int8 layer and an int8 LM head) within their
+    int16 activations' error (2^-16 of each
     group's largest; bf16's is 2^-9 of every value), more than ten times closer to the
     reference than with x rounded to bf16, rows independent; avx512_gemm.c takes bf16 only (the
     layer rounds x, as PyTorch's kernels do)."""
@@ -323,8 +324,8 @@ def test_fp32_activations_go_through_unrounded_where_the_kernels_take_them(kerne
     head.weight, head.weight_scale = q8, s8
     head.prepare(use_kernel=True)
     tolerance = 2e-4 if kernel_kind == "avx2" else 1e-2  # int16 x, or bf16 in and out
-    for fn, w in ((layer, dequantize_int4(q, scale, zero, 32)), (head.logits,
-                                                                 dequantize_int8(q8, s8))):
+    w8 = dequantize_int8(q8, s8)
+    for fn, w in ((layer, dequantize_int4(q, scale, zero, 32)), (head.logits, w8), (head, w8)):
         got = fn(x)
         assert got.dtype == torch.float32
         want = x @ w.t()
