@@ -3,11 +3,12 @@
 At one sequence a layer's kernels take ~100 us and the Python around them took as much again:
 nine module calls, the quantized layers' dispatch, each C helper's checks and allocations, the
 attention groups' bookkeeping. When every row of a step is a generated token, the layers are
-int4 in our kernels' layout (cpu_gemm.py) and layer_ops.c is built, `DecodePlan.run` calls the
-same C functions on the same inputs with every shape checked once when the plan is built, into
-buffers allocated once per step, and the same PyTorch operators for the residual adds and
-SiLU * up. A row's numbers are therefore the ones the modules compute, bit for bit (tested), so
-steps that mix prompt rows in, which keep the modules, agree with it: batch invariance holds.
+int4 or int8 in our kernels' layout (cpu_gemm.py) and layer_ops.c is built, `DecodePlan.run`
+calls the same C functions on the same inputs with every shape checked once when the plan is
+built, into buffers allocated once per step, and the same PyTorch operators for the residual
+adds and SiLU * up. A row's numbers are therefore the ones the modules compute, bit for bit
+(tested), so steps that mix prompt rows in, which keep the modules, agree with it: batch
+invariance holds.
 """
 
 from __future__ import annotations
@@ -21,21 +22,34 @@ from torch.nn import functional as F
 import server.models.layer_ops as layer_ops
 import server.quant.cpu_gemm as cpu_gemm
 from server.quant.int4 import Int4Linear
+from server.quant.int8 import Int8Linear
+
+Packed = Int4Linear | Int8Linear
 
 
 @dataclass(slots=True)
 class _Layer:
     norm1: torch.Tensor  # the two RMSNorm weights
     norm2: torch.Tensor
-    qkv: Int4Linear
-    o: Int4Linear
-    gate_up: Int4Linear
-    down: Int4Linear
+    qkv: Packed
+    o: Packed
+    gate_up: Packed
+    down: Packed
 
 
-def _int4(m: nn.Module | None) -> bool:
-    return (isinstance(m, Int4Linear) and m.q4x32 is not None and m.bias is None
-            and m.group_size % 2 == 0)
+def _fits(m: nn.Module | None, shape: tuple[int, int]) -> bool:
+    """An int4 or int8 layer of this (in, out) shape in our kernels' layout, called whole."""
+    if isinstance(m, Int4Linear):
+        return (m.q4x32 is not None and m.bias is None and m.group_size % 2 == 0
+                and (m.in_features, m.out_features) == shape
+                and m.q4x32.shape[0] * cpu_gemm.BLOCK == m.out_features
+                and m.q4x32.shape[1] * m.group_size == m.in_features)
+    if isinstance(m, Int8Linear):
+        return (m.q8 is not None and m.bias is None and not m.tiled
+                and (m.in_features, m.out_features) == shape
+                and m.q8.shape[0] * cpu_gemm.BLOCK == m.out_features
+                and m.q8.shape[1] * 2 == m.in_features)
+    return False
 
 
 class DecodePlan:
@@ -47,8 +61,8 @@ class DecodePlan:
         self.scale = c.head_dim**-0.5
         self.layers = layers
         self.ops, self.gemm_lib = layer_ops._lib(), cpu_gemm.checked()
-        self.max_group_count = max(max(m.in_features // m.group_size for m in (
-            la.qkv, la.o, la.gate_up, la.down)) for la in layers)
+        self.max_group_count = max([m.in_features // m.group_size for la in layers for m in (
+            la.qkv, la.o, la.gate_up, la.down) if isinstance(m, Int4Linear)], default=1)
 
     @staticmethod
     def build(model: nn.Module) -> DecodePlan | None:
@@ -67,12 +81,8 @@ class DecodePlan:
             attn, mlp = layer.self_attn, layer.mlp
             parts = (getattr(attn, "qkv_proj", None), attn.o_proj,
                      getattr(mlp, "gate_up_proj", None), mlp.down_proj)
-            if hasattr(attn, "q_norm") or not all(_int4(m) for m in parts):
-                return None
-            if any((m.in_features, m.out_features) != shape
-                   or m.q4x32.shape[0] * cpu_gemm.BLOCK != m.out_features
-                   or m.q4x32.shape[1] * m.group_size != m.in_features
-                   for m, shape in zip(parts, shapes, strict=True)):
+            if hasattr(attn, "q_norm") or not all(
+                    _fits(m, shape) for m, shape in zip(parts, shapes, strict=True)):
                 return None
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
             if any(n.eps != c.rms_norm_eps for n in norms):
@@ -117,32 +127,39 @@ class DecodePlan:
         gu = x.new_empty(t, 2 * self.inter)
         gate, up = gu.chunk(2, dim=-1)
         xsum = torch.empty(t * self.max_group_count, dtype=torch.float32)
-        ops = self.ops
-        gemm = self.gemm_lib.int4_gemm if bf16 else self.gemm_lib.int4_gemm_f32
+        ops, lib = self.ops, self.gemm_lib
+        gemm4 = lib.int4_gemm if bf16 else lib.int4_gemm_f32
         xp, np_, pp, qkvp, qp, ap, gup, xs = (a.data_ptr() for a in (
             x, normed, proj, qkv, q, att, gu, xsum))
         cos, sin = rope.cos_table.data_ptr(), rope.sin_table.data_ptr()
         pos, slots = rope.positions.data_ptr(), meta.slot_mapping.data_ptr()
         ctx, lens, max_ctx = g.context_slots.data_ptr(), g.lens.data_ptr(), g.context_slots.shape[1]
         num_slots = kv_caches[0][0].shape[1]
+
+        def mm(m: Packed, xin: int, yout: int, n: int, k: int) -> int:
+            """The call the layer's module makes for these rows (int4.py, int8.py)."""
+            if isinstance(m, Int4Linear):
+                return gemm4(xin, m.q4x32.data_ptr(), yout, xs, t, n, k, m.group_size)
+            if bf16:
+                return lib.int8_gemm(xin, m.q8.data_ptr(), m.q8_scale.data_ptr(), yout, t, n, k,
+                                     0)
+            return lib.int8_gemm_f32(xin, m.q8.data_ptr(), m.q8_scale.data_ptr(), yout, t, n, k)
+
         failed = 0
         for la, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             kc, vc = k_cache.data_ptr(), v_cache.data_ptr()
             failed |= ops.rms_norm(xp, la.norm1.data_ptr(), np_, t, h, self.eps, bf16)
-            failed |= gemm(np_, la.qkv.q4x32.data_ptr(), qkvp, xs, t, nq + 2 * nkv, h,
-                           la.qkv.group_size)
+            failed |= mm(la.qkv, np_, qkvp, nq + 2 * nkv, h)
             failed |= ops.rope_store(qkvp, t, nq + 2 * nkv, self.hq, self.hkv, self.d, cos, sin,
                                      pos, slots, qp, kc, vc, num_slots, bf16, cache_bf16)
             failed |= ops.paged_decode(qp, kc, vc, ctx, lens, ap, t, self.hq, self.hkv, self.d,
                                        max_ctx, num_slots, self.scale, bf16, cache_bf16)
-            failed |= gemm(ap, la.o.q4x32.data_ptr(), pp, xs, t, h, nq, la.o.group_size)
+            failed |= mm(la.o, ap, pp, h, nq)
             x.add_(proj)
             failed |= ops.rms_norm(xp, la.norm2.data_ptr(), np_, t, h, self.eps, bf16)
-            failed |= gemm(np_, la.gate_up.q4x32.data_ptr(), gup, xs, t, 2 * self.inter, h,
-                           la.gate_up.group_size)
+            failed |= mm(la.gate_up, np_, gup, 2 * self.inter, h)
             act = F.silu(gate) * up
-            failed |= gemm(act.data_ptr(), la.down.q4x32.data_ptr(), pp, xs, t, h, self.inter,
-                           la.down.group_size)
+            failed |= mm(la.down, act.data_ptr(), pp, h, self.inter)
             x.add_(proj)
         if failed:  # shapes were checked when the plan was built: a kernel's own refusal
             raise RuntimeError("a CPU kernel declined a decode step it was planned for")

@@ -2,8 +2,9 @@
 
 The CPU kernel `_weight_int8pack_mm` takes exactly this layout ([N, K] int8, [N] scales) and is
 fast only with bf16 activations (25-60x slower with fp32 ones), so an fp32 model casts to bf16
-around it; our kernels (cpu_gemm.py) take fp32 as it is where the machine computes in fp32. Without the kernel (CUDA, or `use_kernel=False` for exactness tests) the module
-dequantizes the weight: the reference path.
+around it; our kernels (cpu_gemm.py) take fp32 as it is where the machine computes in fp32.
+Without the kernel (CUDA, or `use_kernel=False` for exactness tests) the module dequantizes the
+weight: the reference path.
 """
 
 from __future__ import annotations

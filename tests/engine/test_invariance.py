@@ -51,7 +51,7 @@ def random_state(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
     return state
 
 
-@pytest.fixture(scope="module", params=[4, 16], ids=["int4", "bf16-weights"])
+@pytest.fixture(scope="module", params=[4, 8, 16], ids=["int4", "int8", "bf16-weights"])
 def weights(request):
     config = ModelConfig.from_hf(SMOLLM2_135M)
     state, schemes = random_state(config), {}
@@ -162,8 +162,8 @@ def test_a_follow_up_turn_is_the_same_whatever_the_cache_holds_of_the_reply(weig
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_decode_steps_take_the_decode_plan_and_give_the_modules_numbers(weights, dtype,
                                                                         monkeypatch):
-    """Steps of decodes only run through decode_plan.py where the layers are int4 in our
-    kernels' layout and the kernels take the compute dtype; the same request with the plan off
+    """Steps of decodes only run through decode_plan.py where the layers are int4 or int8 in
+    our kernels' layout and the kernels take the compute dtype; the same request with the plan off
     (the modules) gets the same tokens and logprobs bit for bit."""
     from server.models.decode_plan import DecodePlan
     from server.quant import cpu_gemm
