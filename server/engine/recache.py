@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 
 from server.engine.scheduler import RequestTooLargeError, Scheduler
 from server.engine.sequence import PRIORITY_INTERACTIVE, SamplingParams, Sequence, SequenceStatus
@@ -53,7 +54,8 @@ class ReplyRecache:
                                      seq.cache_salt, internal=True))
         self.idle_since = None
 
-    def before_step(self, scheduler: Scheduler, abort) -> int | None:
+    def before_step(self, scheduler: Scheduler,
+                    abort: Callable[[Sequence], None]) -> int | None:
         """Start one when the scheduler is idle, drop the running one once anything else
         arrives. Returns the step's token budget while only a recompute runs (None: the
         scheduler's own)."""
