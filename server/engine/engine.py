@@ -138,6 +138,7 @@ class Engine:
         self._record(out, result, finished)
         for seq in finished:
             self.recache.offer(seq)
+        self.recache.after_step(self.scheduler)
         if not self.has_unfinished:  # idle: hand the step's freed temporaries back (~0.1 ms)
             release_freed_memory()
         return StepOutput(out, finished)
@@ -207,8 +208,7 @@ class Engine:
 
     def drop_internal(self) -> None:
         """After a failed step: the engine's own work goes too (recache.py)."""
-        for seq in [s for s in (*self.scheduler.running, *self.scheduler.waiting) if s.internal]:
-            self.abort(seq)
+        self.recache.drop_running(self.abort)
         self.recache.pending.clear()
 
     @property

@@ -35,11 +35,15 @@ class ReplyRecache:
         self.block_size, self.delay = block_size, delay
         self.pending: deque[Sequence] = deque(maxlen=MAX_PENDING)
         self.running: Sequence | None = None
-        self.idle_since: float | None = None
+        self.idle_since: float | None = None  # when the last step left the scheduler empty
         self.num_done = 0  # replies computed to their end (for /metrics)
 
     def offer(self, seq: Sequence) -> None:
         """A sequence the scheduler finished: queue its reply if it fills a block."""
+        if seq is self.running:
+            self.num_done += 1
+            self.running = None
+            return
         bs = self.block_size
         full = seq.num_tokens // bs * bs
         if (self.delay is None or seq.internal or seq.pooling is not None
@@ -52,16 +56,18 @@ class ReplyRecache:
         params = SamplingParams(max_tokens=1, temperature=0.0)
         self.pending.append(Sequence(seq.token_ids[:full], params, PRIORITY_RECACHE,
                                      seq.cache_salt, internal=True))
-        self.idle_since = None
+
+    def after_step(self, scheduler: Scheduler) -> None:
+        """The engine finished a step: idle from now on if the scheduler is empty."""
+        self.idle_since = time.monotonic() if not scheduler.has_unfinished else None
 
     def before_step(self, scheduler: Scheduler,
                     abort: Callable[[Sequence], None]) -> int | None:
         """Start one when the scheduler is idle, drop the running one once anything else
         arrives. Returns the step's token budget while only a recompute runs (None: the
         scheduler's own)."""
-        if self._current() is not None and len(scheduler.running) + len(scheduler.waiting) > 1:
-            abort(self.running)
-            self.running = None
+        if self.running is not None and len(scheduler.running) + len(scheduler.waiting) > 1:
+            self.drop_running(abort)
         if self.running is None and self.ready(scheduler):
             seq = self.pending.pop()  # the newest reply first: the likeliest next turn
             try:
@@ -72,24 +78,20 @@ class ReplyRecache:
         return CHUNK_TOKENS if self.running is not None else None
 
     def ready(self, scheduler: Scheduler) -> bool:
-        """Whether a recompute is running or may start now."""
-        if self._current() is not None:
+        """Whether a recompute is running or may start now (reads only)."""
+        if self.running is not None:
             return True
-        if not self.pending or scheduler.has_unfinished:
-            self.idle_since = None
-            return False
-        now = time.monotonic()
-        self.idle_since = self.idle_since or now
-        return now - self.idle_since >= self.delay
+        return (bool(self.pending) and not scheduler.has_unfinished
+                and self.idle_since is not None
+                and time.monotonic() - self.idle_since >= self.delay)
+
+    def drop_running(self, abort: Callable[[Sequence], None]) -> None:
+        """Abort the running recompute (its finished blocks stay cached)."""
+        if self.running is not None:
+            abort(self.running)
+            self.running = None
 
     @property
     def num_pending(self) -> int:
-        """Replies queued or being computed (read from other threads: changes nothing)."""
-        running = self.running
-        return len(self.pending) + (running is not None and not running.status.is_finished)
-
-    def _current(self) -> Sequence | None:
-        if self.running is not None and self.running.status.is_finished:
-            self.num_done += self.running.status != SequenceStatus.FINISHED_ABORTED
-            self.running = None
-        return self.running
+        """Replies queued or being computed."""
+        return len(self.pending) + (self.running is not None)
