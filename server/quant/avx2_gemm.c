@@ -8,7 +8,8 @@
  * multiplies 16 of them by 16 nibbles at once into exact int32 sums; per group the output adds
  * scale * a * that + (zero - 8 * scale) * sum_k x, with x's exact fp32 sum: the weights are never
  * rounded. On Zen 4 held to AVX2 this took 1.4x fewer cycles than fp32 FMAs on the unpacked
- * nibbles, at one row and at 32. The weights of a block serve ROWS rows per pass.
+ * nibbles, at one row and at 32. The weights of a block serve ROWS rows per pass: without VNNI
+ * every vpmaddwd needs a vpaddd, and the two are the inner loop.
  *
  * A block of 32 outputs goes in two halves, each 16 bytes of every pair's 32: bytes 2i + h of
  * the half hold q[o, 2p + h] in the low nibble and q[o + 16, 2p + h] in the high one, for the
@@ -22,6 +23,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 static inline uint16_t float_to_bf16(float f) {
@@ -41,9 +43,7 @@ static inline float bf16_to_float(uint16_t v) {
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 
-#define ROWS 3 /* rows a pass over the weights: int4 in 16 ymm registers, 6 int32 sums (4 rows spill
-                * one in the inner loop: 1.4x slower at 32 rows on Zen 4 held to AVX2) */
-#define ROWS8 3 /* the int8 kernel's (the LM head at 32 rows: 8 ms, 10.5 with 4, 8.6 with 2) */
+#define ROWS 6 /* rows a pass over the weights: 12 int32 sums in registers (madd_acc) */
 #define GROUP_HEAD 128 /* bytes of scales and zeros before a group's nibbles */
 
 static inline int64_t group_bytes(int64_t group) { return GROUP_HEAD + group * 16; }
@@ -52,7 +52,54 @@ static inline __m256 half8(const uint8_t *p) {
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
 }
 
-#include <stdlib.h>
+/* acc + vpmaddwd(w, x) in acc's own register: from the intrinsics gcc moves every sum to a new
+ * register each step and spills them from 4 rows on. Exact either way: only speed differs. */
+static inline __m256i madd_acc(__m256i acc, __m256i w, __m256i x) {
+    __m256i t;
+    __asm__("vpmaddwd %2, %3, %1\n\tvpaddd %1, %0, %0" : "+x"(acc), "=&x"(t) : "x"(w), "x"(x));
+    return acc;
+}
+
+/* The int32 sums of rows [0, r) over `pairs` pairs of inputs from x0 (row stride k) against
+ * two vectors of 8 outputs' weight pairs each: int4 (nibbles, 32 bytes a pair, the half's 16
+ * at w) or int8 (64 bytes a pair, the half's 32 at w). Named sums, since gcc keeps arrays of
+ * them in memory; r is a constant in every caller. */
+static inline void pair_sums(const int16_t *x0, int64_t k, int64_t pairs, const uint8_t *w,
+                             const int int8, const int r, __m256i *sa, __m256i *sb) {
+    const __m256i low = _mm256_set1_epi16(0xF);
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0;
+    __m256i b0 = a0, b1 = a0, b2 = a0, b3 = a0, b4 = a0, b5 = a0;
+    for (int64_t p = 0; p < pairs; p++) {
+        __m256i w0, w1;
+        if (int8) {
+            w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + p * 64)));
+            w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + p * 64 + 16)));
+        } else {
+            __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(w + p * 32)));
+            w0 = _mm256_and_si256(v, low);
+            w1 = _mm256_srli_epi16(v, 4);
+        }
+#define ROW(i)                                                            \
+        if (r > i) {                                                      \
+            int32_t pair;                                                 \
+            memcpy(&pair, x0 + i * k + 2 * p, sizeof pair);               \
+            const __m256i xp = _mm256_set1_epi32(pair);                   \
+            a##i = madd_acc(a##i, w0, xp);                                \
+            b##i = madd_acc(b##i, w1, xp);                                \
+        }
+        ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5)
+#undef ROW
+    }
+    const __m256i as[ROWS] = {a0, a1, a2, a3, a4, a5}, bs[ROWS] = {b0, b1, b2, b3, b4, b5};
+    for (int i = 0; i < r; i++) sa[i] = as[i], sb[i] = bs[i];
+}
+
+/* call(R) with r's value as a constant (r in 1..ROWS), so each count compiles to its own loops */
+#define ROWS_CASES(call)                                                                   \
+    switch (r) {                                                                           \
+        case 6: call(6); break; case 5: call(5); break; case 4: call(4); break;            \
+        case 3: call(3); break; case 2: call(2); break; default: call(1);                  \
+    }
 
 /* x bf16 [m, k] as fp32 (malloc'd; NULL if out of memory). */
 static float *to_fp32(const uint16_t *x, int64_t m, int64_t k) {
@@ -145,26 +192,12 @@ static inline void half_block(const int16_t *xq, int64_t k, const float *xa,
                               const float *xsum, int64_t groups, int64_t group,
                               const uint8_t *blk, void *y, int64_t n, const int r,
                               const int hb, const int out_fp32) {
-    /* The running outputs stay in memory between groups: the inner loop keeps every register
-     * for its int32 sums. */
+    /* the running outputs stay in memory: the int32 sums take the registers */
     float yacc[ROWS][16] __attribute__((aligned(32))) = {{0}};
-    const __m256i low = _mm256_set1_epi16(0xF);
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *head = blk + g * group_bytes(group), *pk = head + GROUP_HEAD + hb * 16;
         __m256i aa[ROWS], ab[ROWS];
-        for (int i = 0; i < r; i++) aa[i] = ab[i] = _mm256_setzero_si256();
-        const int64_t p0 = g * group / 2;
-        for (int64_t p = 0; p < group / 2; p++) {
-            __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(pk + p * 32)));
-            __m256i wa = _mm256_and_si256(w, low), wb = _mm256_srli_epi16(w, 4);
-            for (int i = 0; i < r; i++) {
-                int32_t pair;
-                memcpy(&pair, xq + i * k + 2 * (p0 + p), sizeof pair);
-                __m256i xp = _mm256_set1_epi32(pair);
-                aa[i] = _mm256_add_epi32(aa[i], _mm256_madd_epi16(wa, xp));
-                ab[i] = _mm256_add_epi32(ab[i], _mm256_madd_epi16(wb, xp));
-            }
-        }
+        pair_sums(xq + g * group, k, group / 2, pk, 0, r, aa, ab);
         const __m256 sa = half8(head + hb * 16), sb = half8(head + 32 + hb * 16);
         const __m256 m8 = _mm256_set1_ps(-8.0f);
         /* zero - 8 * scale: what each unit of sum_k x adds, q's offset folded in */
@@ -194,13 +227,6 @@ static inline void half_block(const int16_t *xq, int64_t k, const float *xa,
     }
 }
 
-static inline void block(const int16_t *xq, int64_t k, const float *xa, const float *xsum,
-                         int64_t groups, int64_t group, const uint8_t *blk, void *y, int64_t n,
-                         const int r, const int out_fp32) {
-    half_block(xq, k, xa, xsum, groups, group, blk, y, n, r, 0, out_fp32);
-    half_block(xq, k, xa, xsum, groups, group, blk, y, n, r, 1, out_fp32);
-}
-
 /* xf: fp32 [m, k]; y: [m, n], bf16 or (out_fp32) fp32. Returns nonzero if out of memory. */
 static int gemm4(const float *xf, const uint8_t *packed, void *y, int64_t m, int64_t n,
                  int64_t k, int64_t group, int out_fp32) {
@@ -218,15 +244,12 @@ static int gemm4(const float *xf, const uint8_t *packed, void *y, int64_t m, int
             const int16_t *xi = xq + i * k;
             const float *xs = xsum + i * groups, *as = xa + i * groups;
             char *yi = (char *)y + (i * n + b * 32) * (out_fp32 ? 4 : 2);
-            /* Constant row counts and output types, so each compiles to its own loops. */
-            if (out_fp32) {
-                if (r == 3) block(xi, k, as, xs, groups, group, blk, yi, n, 3, 1);
-                else if (r == 2) block(xi, k, as, xs, groups, group, blk, yi, n, 2, 1);
-                else block(xi, k, as, xs, groups, group, blk, yi, n, 1, 1);
-            } else {
-                if (r == 3) block(xi, k, as, xs, groups, group, blk, yi, n, 3, 0);
-                else if (r == 2) block(xi, k, as, xs, groups, group, blk, yi, n, 2, 0);
-                else block(xi, k, as, xs, groups, group, blk, yi, n, 1, 0);
+            for (int hb = 0; hb < 2; hb++) {  /* constant output types too */
+#define FP32(R) half_block(xi, k, as, xs, groups, group, blk, yi, n, R, hb, 1)
+#define BF16(R) half_block(xi, k, as, xs, groups, group, blk, yi, n, R, hb, 0)
+                if (out_fp32) ROWS_CASES(FP32) else ROWS_CASES(BF16)
+#undef FP32
+#undef BF16
             }
         }
     }
@@ -290,23 +313,11 @@ int int4_unpack_q4x32(const uint8_t *packed, uint16_t *out, int64_t n, int64_t k
 static inline void half_block8(const int16_t *xq, int64_t k, const float *xa, int64_t xg,
                                const int8_t *blk, const float *scale, void *y, int64_t n,
                                const int r, const int hb, int out_fp32) {
-    float yacc[ROWS8][16] __attribute__((aligned(32))) = {{0}};
+    float yacc[ROWS][16] __attribute__((aligned(32))) = {{0}};
     int64_t groups = k / xg;
     for (int64_t g = 0; g < groups; g++) {
-        __m256i a0[ROWS8], a1[ROWS8];
-        for (int i = 0; i < r; i++) a0[i] = a1[i] = _mm256_setzero_si256();
-        for (int64_t p = g * xg / 2; p < (g + 1) * xg / 2; p++) {
-            const int8_t *src = blk + p * 64 + hb * 32;
-            __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)src));
-            __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(src + 16)));
-            for (int i = 0; i < r; i++) {
-                int32_t pair;
-                memcpy(&pair, xq + i * k + 2 * p, sizeof pair);
-                __m256i xp = _mm256_set1_epi32(pair);
-                a0[i] = _mm256_add_epi32(a0[i], _mm256_madd_epi16(w0, xp));
-                a1[i] = _mm256_add_epi32(a1[i], _mm256_madd_epi16(w1, xp));
-            }
-        }
+        __m256i a0[ROWS], a1[ROWS];
+        pair_sums(xq + g * xg, k, xg / 2, (const uint8_t *)blk + g * xg * 32 + hb * 32, 1, r, a0, a1);
         for (int i = 0; i < r; i++) {
             __m256 a = _mm256_set1_ps(xa[i * groups + g]);
             _mm256_store_ps(yacc[i], _mm256_fmadd_ps(_mm256_cvtepi32_ps(a0[i]), a,
@@ -329,13 +340,6 @@ static inline void half_block8(const int16_t *xq, int64_t k, const float *xa, in
     }
 }
 
-static inline void block8(const int16_t *xq, int64_t k, const float *xa, int64_t xg,
-                          const int8_t *blk, const float *scale, void *y, int64_t n,
-                          const int r, int out_fp32) {
-    half_block8(xq, k, xa, xg, blk, scale, y, n, r, 0, out_fp32);
-    half_block8(xq, k, xa, xg, blk, scale, y, n, r, 1, out_fp32);
-}
-
 /* Returns nonzero if out of memory. */
 static int gemm8(const float *xf, const int8_t *packed, const float *scale, void *y,
                  int64_t m, int64_t n, int64_t k, int out_fp32) {
@@ -353,14 +357,16 @@ static int gemm8(const float *xf, const int8_t *packed, const float *scale, void
     #pragma omp parallel for schedule(static) if (blocks >= 4)
     for (int64_t b = 0; b < blocks; b++) {
         const int8_t *blk = packed + b * k * 32;
-        for (int64_t i = 0; i < m; i += ROWS8) {
-            int r = m - i < ROWS8 ? (int)(m - i) : ROWS8;
+        for (int64_t i = 0; i < m; i += ROWS) {
+            int r = m - i < ROWS ? (int)(m - i) : ROWS;
             const int16_t *xi = xq + i * k;
             const float *ai = xa + i * (k / xg), *sc = scale + b * 32;
             char *yi = (char *)y + (i * n + b * 32) * (out_fp32 ? 4 : 2);
-            if (r == 3) block8(xi, k, ai, xg, blk, sc, yi, n, 3, out_fp32);
-            else if (r == 2) block8(xi, k, ai, xg, blk, sc, yi, n, 2, out_fp32);
-            else block8(xi, k, ai, xg, blk, sc, yi, n, 1, out_fp32);
+            for (int hb = 0; hb < 2; hb++) {
+#define BLOCK8(R) half_block8(xi, k, ai, xg, blk, sc, yi, n, R, hb, out_fp32)
+                ROWS_CASES(BLOCK8);
+#undef BLOCK8
+            }
         }
     }
     free(mem);
