@@ -13,9 +13,12 @@ Batch invariance: a matmul kernel's rounding can depend on the shape of the call
 GEMM takes another path below 4 rows and for a tail of columns; oneDNN picks blockings by
 shape), so every matmul here has a shape that depends on the query's own position only, never
 on the other sequences of the step or on how a prompt was chunked:
-- prompt queries run in tiles of QUERY_TILE positions aligned to the sequence start; tile k
-  attends to the context [0, (k + 1) * QUERY_TILE) (future positions masked), so its matmuls
-  and softmax have one shape whether the prompt came whole, in chunks or after a prefix hit;
+- prompt queries at positions below layer_ops.prompt_positions() (a machine's constant) attend
+  in layer_ops.paged_prompt, each over its own context in a fixed order, shared loads aside;
+- the other prompt queries run in tiles of QUERY_TILE positions aligned to the sequence start;
+  tile k attends to the context [0, (k + 1) * QUERY_TILE) (future positions masked), so its
+  matmuls and softmax have one shape whether the prompt came whole, in chunks or after a prefix
+  hit;
 - a generated query attends in tiles of CONTEXT_TILE positions, batched with the other decodes
   and padded to the longest context; the softmax denominator and the weighted values are summed
   over tiles pairwise by tile position (_tile_sum), so padding tiles, which hold exact zeros,
@@ -52,6 +55,8 @@ class AttentionGroup:
     flat_slots: torch.Tensor | None = None  # context_slots as [B * max_ctx] indices >= 0
     fp32: bool = False  # attend in fp32 (short-context decodes under a 16-bit compute dtype)
     first_tile: int = -1  # a prompt chunk's first tile (its position // QUERY_TILE); -1: decodes
+    start: int = 0  # a prompt chunk's first position
+    in_place: bool = False  # a prompt chunk for layer_ops.paged_prompt (tiles without it)
     lens: torch.Tensor | None = None  # decodes: [B] context length of each (int64)
 
 
@@ -108,13 +113,17 @@ def build_metadata(
     # layer_ops.paged_decode attends in fp32 at every length: one decode group is enough.
     low_precision = dtype in (torch.bfloat16, torch.float16) and not (
         torch.device(device).type == "cpu" and layer_ops.enabled())
+    in_place = layer_ops.prompt_positions() if torch.device(device).type == "cpu" else 0
     decode: dict[bool, list[tuple[int, int, int]]] = {True: [], False: []}
     groups = []
     start_list, pos_list = starts.tolist(), (s_lens - q_lens).tolist()
     for i, (q, p) in enumerate(zip(query_lens, prompt_lens, strict=True)):
-        if p:
-            groups.append(_prompt_group(tables[i], start_list[i], pos_list[i], p, block_size,
-                                        device))
+        # Prompt positions below `in_place` attend in layer_ops.paged_prompt, the rest in tiles.
+        done = min(p, max(0, in_place - pos_list[i]))
+        for first, count in ((0, done), (done, p - done)):
+            if count:
+                groups.append(_prompt_group(tables[i], start_list[i] + first, pos_list[i] + first,
+                                            count, block_size, device, first == 0 and done > 0))
         for j in range(p, q):  # (sequence, token index, context length)
             ctx = pos_list[i] + j + 1
             decode[low_precision and ctx <= FP32_DECODE_MAX_CONTEXT].append(
@@ -162,7 +171,7 @@ def _decode_group(entries: list[tuple[int, int, int]], tables: torch.Tensor, blo
 
 
 def _prompt_group(table: torch.Tensor, first_token: int, start: int, num: int, block_size: int,
-                  device: torch.device | str) -> AttentionGroup:
+                  device: torch.device | str, in_place: bool = False) -> AttentionGroup:
     """Prompt positions [start, start + num) of one sequence, their tokens from first_token."""
     end = start + num
     first_tile, last_tile = start // QUERY_TILE, (end - 1) // QUERY_TILE
@@ -183,6 +192,8 @@ def _prompt_group(table: torch.Tensor, first_token: int, start: int, num: int, b
         dest=token_index[valid].to(device),
         whole_step=False,
         first_tile=first_tile,
+        start=start,
+        in_place=in_place,
     )
 
 
@@ -216,13 +227,18 @@ def paged_attention(
     group_size = num_heads // num_kv_heads
     out = None
     for g in meta.groups:
-        attend = _prompt_tiles if g.first_tile >= 0 else _decodes
-        o = attend(q, k_cache, v_cache, g, scale, num_kv_heads, group_size)  # [rows, Hq * D]
+        o = rows = None
+        if g.in_place:  # a prompt chunk's real queries, reading the cache in place
+            o = layer_ops.paged_prompt(q.index_select(0, g.dest), k_cache, v_cache,
+                                       g.context_slots[0], g.start, scale)
+        if o is None:  # [padded rows, Hq * D], the real ones at g.valid
+            attend = _prompt_tiles if g.first_tile >= 0 else _decodes
+            o, rows = attend(q, k_cache, v_cache, g, scale, num_kv_heads, group_size), g.valid
         if g.whole_step:
             return o
         if out is None:
             out = q.new_empty(num_tokens, num_heads * head_dim)
-        out[g.dest] = o[g.valid]
+        out[g.dest] = o if rows is None else o[rows]
     return out
 
 

@@ -3,7 +3,8 @@
 At decode sizes a PyTorch operator costs a few microseconds whatever it computes, and a layer
 ran ~80 of them (RMSNorm 6, rotary embedding 14, the cache writes 4, decode attention ~25):
 most of a 135M model's step at one sequence. layer_ops.c does RMSNorm, the rotary embedding with
-the cache write, and decode attention reading the paged pool in place, one call each.
+the cache write, and attention reading the paged pool in place (paged_attention.h): decodes,
+and the prompt positions below prompt_positions(), one call each.
 
 The library is compiled on first use (server/quant/native.py) and used only after it passed
 `_self_check` on this machine: each function against the PyTorch reference within rounding, and
@@ -35,6 +36,8 @@ _SIGNATURES = {
     "rope_store": [_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I, ctypes.c_int,
                    ctypes.c_int],
     "paged_decode": [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _D, ctypes.c_int,
+                     ctypes.c_int],
+    "paged_prompt": [_P, _P, _P, _P, _I, _I, _P, _I, _I, _I, _I, _D, ctypes.c_int,
                      ctypes.c_int],
 }
 
@@ -70,6 +73,7 @@ def typed(lib):
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = ctypes.c_int, argtypes
+    lib.prompt_positions.restype, lib.prompt_positions.argtypes = ctypes.c_int64, []
     return lib
 
 
@@ -145,6 +149,33 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return out
 
 
+def prompt_positions() -> int:
+    """Prompt positions below this attend through paged_prompt (0: none, without the library)."""
+    lib = _lib()
+    return lib.prompt_positions() if lib is not None else 0
+
+
+def paged_prompt(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 context_slots: torch.Tensor, start: int, scale: float,
+                 lib=None) -> torch.Tensor | None:
+    """q [T, Hq, D]: one sequence's prompt positions [start, start + T), query t attending to
+    positions [0, start + t] of context_slots [>= start + T] in the paged caches -> [T, Hq * D].
+    None: not here."""
+    lib = lib or _lib()
+    t, hq, d = q.shape
+    if (lib is None or d > MAX_DIM or k_cache.dtype != v_cache.dtype
+            or context_slots.dtype != torch.int64 or context_slots.numel() < start + t
+            or not _fits(q, k_cache, v_cache, context_slots)):
+        return None
+    out = q.new_empty(t, hq * d)
+    if lib.paged_prompt(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                        context_slots.data_ptr(), start, t, out.data_ptr(), hq,
+                        k_cache.shape[0], d, k_cache.shape[1], scale,
+                        q.dtype == torch.bfloat16, k_cache.dtype == torch.bfloat16):
+        return None
+    return out
+
+
 def _self_check(lib) -> str | None:
     """None if every function matches PyTorch within rounding and gives each row the same bits
     alone and batched; else what failed."""
@@ -201,4 +232,24 @@ def _check_attention(lib, dtype: torch.dtype, tol: float, g: torch.Generator) ->
         if (not torch.allclose(got[i].float(), want, rtol=tol, atol=tol)
                 or alone is None or not torch.equal(alone[0], got[i])):
             return f"paged_decode {dtype} row {i}"
+    return _check_prompt(lib, dtype, tol, caches, ctx[2], g)
+
+
+def _check_prompt(lib, dtype: torch.dtype, tol: float, caches: list[torch.Tensor],
+                  slots: torch.Tensor, g: torch.Generator) -> str | None:
+    """paged_prompt against PyTorch's causal attention, and a chunk alone the same bits as the
+    same rows computed with the whole prompt (positions 0..40, the chunk 23..40)."""
+    hkv, d = caches[0].shape[0], caches[0].shape[2]
+    for hq in (hkv * 3, hkv):  # query groups of 3 (SmolLM2) and 1 (multi-head)
+        qp = torch.randn(41, hq, d, generator=g).to(dtype)
+        whole = paged_prompt(qp, *caches, slots, 0, d**-0.5, lib)
+        part = paged_prompt(qp[23:].contiguous(), *caches, slots, 23, d**-0.5, lib)
+        if whole is None or part is None or not torch.equal(part, whole[23:]):
+            return f"paged_prompt {dtype} chunk"
+        k, v = (c[:, slots[:41]].float().repeat_interleave(hq // hkv, 0) for c in caches)
+        s = qp.float().transpose(0, 1) @ k.transpose(1, 2) * d**-0.5  # [hq, 41, 41]
+        s += torch.full((41, 41), float("-inf")).triu(1)
+        want = (torch.softmax(s, dim=-1) @ v).transpose(0, 1).reshape(41, -1)
+        if not torch.allclose(whole.float(), want, rtol=tol, atol=tol):
+            return f"paged_prompt {dtype}"
     return None

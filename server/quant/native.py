@@ -78,7 +78,7 @@ def _build(source: Path) -> Path:
     if cc is None:
         raise OSError("no C compiler (cc) on PATH")
     key = hashlib.sha256()
-    for part in (source.read_bytes(), cc.encode(), " ".join((*FLAGS, OPENMP)).encode(),
+    for part in (*_sources(source), cc.encode(), " ".join((*FLAGS, OPENMP)).encode(),
                  platform.machine().encode(), _cpu_flags().encode()):
         key.update(part)
     folder = home_dir() / "cache" / "native"
@@ -101,6 +101,17 @@ def _build(source: Path) -> Path:
     finally:
         Path(tmp).unlink(missing_ok=True)
     return target
+
+
+def _sources(source: Path) -> list[bytes]:
+    """The source's bytes and those of the files beside it that it includes ("name.h")."""
+    text = source.read_bytes()
+    parts = [text]
+    for line in text.decode(errors="replace").splitlines():
+        name = line.strip().removeprefix("#include").strip()
+        if line.lstrip().startswith("#include") and name.startswith('"') and name.endswith('"'):
+            parts.append(source.with_name(name.strip('"')).read_bytes())
+    return parts
 
 
 def cpu_flags() -> set[str]:

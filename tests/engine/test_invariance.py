@@ -12,6 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+import server.models.attention as attention
+import server.models.layer_ops as layer_ops
 from server.engine.engine import Engine, EngineConfig
 from server.engine.sequence import PRIORITY_BATCH, SamplingParams, Sequence
 from server.models.config import ModelConfig
@@ -51,13 +53,22 @@ def random_state(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
     return state
 
 
-@pytest.fixture(scope="module", params=[4, 8, 16], ids=["int4", "int8", "bf16-weights"])
-def weights(request):
+def model_weights(bits: int):
     config = ModelConfig.from_hf(SMOLLM2_135M)
     state, schemes = random_state(config), {}
-    if request.param != 16:
-        state, schemes = quantize_state_dict(state, request.param)
+    if bits != 16:
+        state, schemes = quantize_state_dict(state, bits)
     return config, state, schemes
+
+
+@pytest.fixture(scope="module", params=[4, 8, 16], ids=["int4", "int8", "bf16-weights"])
+def weights(request):
+    return model_weights(request.param)
+
+
+@pytest.fixture(scope="module")
+def int4_weights():
+    return model_weights(4)
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -83,8 +94,33 @@ def result(seq: Sequence):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_seeded_request_is_the_same_however_it_is_computed(weights, dtype):
-    model = build_model(*weights, CPU, dtype)
+    same_however_computed(build_model(*weights, CPU, dtype), dtype)
 
+
+@pytest.mark.parametrize("in_place", [0, 64], ids=["tiles-only", "tiles-from-64"])
+def test_either_prompt_attention_gives_the_same_however_computed(int4_weights, in_place,
+                                                                  monkeypatch):
+    """Prompt positions below layer_ops.prompt_positions() attend in layer_ops.paged_prompt
+    (all 150 of the seeded prompt's), the rest in tiles: here the tiles for every position, and
+    for those from 64 on (chunks straddle the two), each mode the same however computed."""
+    if not layer_ops.enabled():
+        pytest.skip("needs layer_ops.c (a C compiler)")
+    calls = {"in place": 0, "tiles": 0}
+
+    def counted(fn, key):
+        def call(*args, **kw):
+            calls[key] += 1
+            return fn(*args, **kw)
+        return call
+    monkeypatch.setattr(layer_ops, "prompt_positions", lambda: in_place)
+    monkeypatch.setattr(layer_ops, "paged_prompt", counted(layer_ops.paged_prompt, "in place"))
+    monkeypatch.setattr(attention, "_prompt_tiles", counted(attention._prompt_tiles, "tiles"))
+    dtype = pick_dtype(CPU)
+    same_however_computed(build_model(*int4_weights, CPU, dtype), dtype)
+    assert calls["tiles"] and bool(calls["in place"]) == bool(in_place)
+
+
+def same_however_computed(model, dtype) -> None:
     def engine(**config) -> Engine:
         return Engine(model, EngineConfig(**({"num_blocks": 128} | config)), CPU, dtype)
 

@@ -74,6 +74,32 @@ def test_paged_decode_matches_pytorch_and_is_batch_invariant(dtype, heads, monke
     torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
+@pytest.mark.parametrize("cache_dtype", DTYPES, ids=["fp32-cache", "bf16-cache"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", [(9, 3), (4, 4), (8, 1), (10, 2)])
+def test_paged_prompt_matches_pytorch_and_chunks_change_nothing(dtype, cache_dtype, heads):
+    """A prompt's queries over their causal context in scattered blocks: within rounding of
+    PyTorch, and computed whole, in chunks (every cut, jobs of 12 rows split anywhere) or from
+    a later start the same bits."""
+    hq, hkv, n = *heads, 300
+    q = torch.randn(n, hq, 64, generator=torch.Generator().manual_seed(1)).to(dtype)
+    k, v = paged_caches(hkv, 64, cache_dtype)
+    table = torch.tensor(block_tables([n])[0])
+    pos = torch.arange(n)
+    slots = table[pos // BLOCK] * BLOCK + pos % BLOCK
+    whole = layer_ops.paged_prompt(q, k, v, slots, 0, 0.125)
+    assert whole is not None and whole.dtype == dtype and whole.shape == (n, hq * 64)
+    for cut in (1, 5, 64, 131, 299):
+        for start, end in ((0, cut), (cut, n)):
+            part = layer_ops.paged_prompt(q[start:end].contiguous(), k, v, slots, start, 0.125)
+            assert torch.equal(part, whole[start:end]), (cut, start)
+    keys, values = (c[:, slots].float().repeat_interleave(hq // hkv, 0) for c in (k, v))
+    scores = q.float().transpose(0, 1) @ keys.transpose(1, 2) * 0.125
+    scores += torch.full((n, n), float("-inf")).triu(1)
+    want = (torch.softmax(scores, -1) @ values).transpose(0, 1).reshape(n, -1)
+    torch.testing.assert_close(whole.float(), want, atol=TOL[dtype], rtol=TOL[dtype])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rms_norm_matches_the_reference_and_rows_are_independent(dtype):
     from server.models.llama import RMSNorm

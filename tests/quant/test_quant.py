@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 
@@ -357,6 +359,21 @@ def test_native_helper_can_be_turned_off(monkeypatch):
 
     monkeypatch.setenv("LOCALSERVE_NO_NATIVE", "1")
     assert native._load() is None
+
+
+def test_a_helper_is_rebuilt_when_a_header_it_includes_changes(tmp_path, monkeypatch):
+    """layer_ops.c includes paged_attention.h: an edit there must not load the stale build."""
+    from server.quant import native
+
+    monkeypatch.setenv("LOCALSERVE_HOME", str(tmp_path / "home"))
+    (tmp_path / "part.h").write_text("int answer(void) { return 1; }\n")
+    source = tmp_path / "whole.c"
+    source.write_text('#include "part.h"\n')
+    first = native._build(source)
+    assert ctypes.CDLL(str(first)).answer() == 1
+    (tmp_path / "part.h").write_text("int answer(void) { return 2; }\n")
+    second = native._build(source)
+    assert second != first and ctypes.CDLL(str(second)).answer() == 2
 
 
 @pytest.mark.parametrize("cc", ["/nonexistent/cc", "false"])

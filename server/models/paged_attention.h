@@ -1,0 +1,361 @@
+/* Paged attention over the KV cache pool: decode queries (paged_decode) and prompt chunks
+ * (paged_prompt). Part of layer_ops.c, which includes it once at its end: it uses that file's
+ * row helpers (store_row, lane_sum, exp_neg, MAX_DIM). Scores, softmax and weighted sums are
+ * fp32; every query row's numbers depend on its own query and context only. */
+
+/* VL floats in one vector: 16 on AVX-512 (one register), else 8 (one AVX2 register). GCC's
+ * vector extensions, with fused multiply-adds where the CPU has them (vfma): a row's results
+ * depend on this machine's build only, never on the rows beside it. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define VL 16
+typedef float vf __attribute__((vector_size(64)));
+static inline vf vfma(vf a, vf b, vf c) {
+    return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+}
+static inline vf splat(float x) { return (vf)_mm512_set1_ps(x); }
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define VL 8
+typedef float vf __attribute__((vector_size(32)));
+static inline vf vfma(vf a, vf b, vf c) {
+    return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+}
+static inline vf splat(float x) { return (vf)_mm256_set1_ps(x); }
+#else
+#define VL 8
+typedef float vf __attribute__((vector_size(32)));
+static inline vf vfma(vf a, vf b, vf c) { return a * b + c; }
+static inline vf splat(float x) { return (vf){x, x, x, x, x, x, x, x}; }
+#endif
+typedef uint16_t u16v __attribute__((vector_size(2 * VL)));
+typedef uint32_t u32v __attribute__((vector_size(4 * VL)));
+
+typedef int32_t i32v __attribute__((vector_size(4 * VL)));
+
+static inline vf vmax(vf a, vf b) {
+    i32v take = a > b;
+    return (vf)((take & (i32v)a) | (~take & (i32v)b));
+}
+
+/* exp_neg in every lane: the same operations, so the same bits as the scalar one. */
+static inline vf exp_negv(vf x) {
+    const vf low = (vf){0} - 87.0f;
+    i32v clamp = x < low;
+    x = (vf)((clamp & (i32v)low) | (~clamp & (i32v)x));
+    vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    vf r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    vf p = (vf){0} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    vf y = p * r * r + r + 1.0f;
+    i32v bits = (__builtin_convertvector(n, i32v) + 127) << 23;
+    return y * (vf)bits;
+}
+
+static inline void prefetch_row(const char *p, int64_t bytes) {
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
+}
+
+static inline vf loadv(const char *p, int bf16) {
+    vf f;
+    if (bf16) {
+        u16v h;
+        memcpy(&h, p, sizeof h);
+        u32v w = __builtin_convertvector(h, u32v) << 16;
+        memcpy(&f, &w, sizeof f);
+    } else {
+        memcpy(&f, p, sizeof f);
+    }
+    return f;
+}
+
+/* reduce2(a, b): the first half of the lanes the pairwise sums of a's lanes, the rest of b's. */
+static inline vf reduce2(vf a, vf b) {
+#if VL == 16
+    return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
+         + __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+#else
+    return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14)
+         + __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15);
+#endif
+}
+
+/* VL vectors -> one whose lane j is the sum of v[j]'s lanes (log2 VL rounds of reduce2). */
+static inline vf sum_lanes(vf v[VL]) {
+    for (int w = VL / 2; w >= 1; w /= 2)
+        for (int i = 0; i < w; i++) v[i] = reduce2(v[2 * i], v[2 * i + 1]);
+    return v[0];
+}
+
+/* R query rows of one kv head (qs: fp32 [R][d], already scaled), row r over the first n[r]
+ * context positions (nmax the most): o fp32 [R][d]. Inlined with a literal R and cache dtype
+ * (the hot loops'), so that each case keeps its accumulators in registers. A row's numbers
+ * depend on its own query and n only: scores past n[r] are computed for the longest row, then
+ * dropped (zero weights add exact zeros to sums that start at +0). */
+static inline __attribute__((always_inline)) void attend_rows(
+        const float *qs, const int R, const int64_t *n, int64_t nmax, const char *kbase,
+        const char *vbase, const int64_t *sl, int64_t d, float *score, int64_t max_ctx,
+        float *o, const int cache_bf16) {
+    size_t ces = cache_bf16 ? 2 : 4;
+    int64_t chunks = d / VL;
+    /* Scores VL positions at a time: each position's key is loaded once for every row, and
+     * each (row, position)'s products are summed across lanes by one tree (positions past
+     * nmax in the last block are zeros, never stored). */
+    for (int64_t p0 = 0; p0 < nmax; p0 += VL) {
+        int64_t count = nmax - p0 < VL ? nmax - p0 : VL;
+        vf part[R][VL];
+        for (int64_t j = 0; j < VL; j++) {
+            if (j >= count) {
+                for (int r = 0; r < R; r++) part[r][j] = (vf){0};
+                continue;
+            }
+            const char *k = kbase + sl[p0 + j] * d * ces;
+            /* The next block's keys and this position's values, from memory while this block
+             * computes (a block of the pool is a few cache lines; blocks lie anywhere). */
+            if (p0 + VL + j < nmax) prefetch_row(kbase + sl[p0 + VL + j] * d * ces, d * ces);
+            prefetch_row(vbase + sl[p0 + j] * d * ces, d * ces);
+            vf acc[R], kc = loadv(k, cache_bf16), qc;
+            for (int r = 0; r < R; r++) {
+                memcpy(&qc, qs + r * d, sizeof qc);
+                acc[r] = qc * kc;
+            }
+            for (int64_t c = 1; c < chunks; c++) {
+                kc = loadv(k + c * VL * ces, cache_bf16);
+                for (int r = 0; r < R; r++) {
+                    memcpy(&qc, qs + r * d + c * VL, sizeof qc);
+                    acc[r] = vfma(qc, kc, acc[r]);
+                }
+            }
+            for (int r = 0; r < R; r++) part[r][j] = acc[r];
+        }
+        for (int r = 0; r < R; r++) {
+            float sv[VL];
+            vf s = sum_lanes(part[r]);
+            memcpy(sv, &s, sizeof sv);
+            memcpy(score + r * max_ctx + p0, sv, (size_t)count * sizeof(float));
+        }
+    }
+    float denom[R];
+    for (int r = 0; r < R; r++) {
+        float *sc = score + r * max_ctx, peak = -INFINITY;
+        int64_t p = 0, len = n[r];
+        if (len >= VL) {  /* the maximum in lanes, then across them (exact in any order) */
+            vf m;
+            memcpy(&m, sc, sizeof m);
+            for (p = VL; p + VL <= len; p += VL) {
+                vf x;
+                memcpy(&x, sc + p, sizeof x);
+                m = vmax(m, x);
+            }
+            float lane[VL];
+            memcpy(lane, &m, sizeof lane);
+            for (int l = 0; l < VL; l++) peak = lane[l] > peak ? lane[l] : peak;
+        }
+        for (; p < len; p++) peak = sc[p] > peak ? sc[p] : peak;
+        for (p = 0; p + VL <= len; p += VL) {
+            vf x;
+            memcpy(&x, sc + p, sizeof x);
+            x = exp_negv(x - peak);
+            memcpy(sc + p, &x, sizeof x);
+        }
+        for (; p < len; p++) sc[p] = exp_neg(sc[p] - peak);
+        for (p = len; p < nmax; p++) sc[p] = 0.0f;
+        /* LANES interleaved sums, VL lanes a vector */
+        vf lv[LANES / VL] = {{0}};
+        for (p = 0; p + LANES <= len; p += LANES)
+            for (int l = 0; l < LANES / VL; l++) {
+                vf x;
+                memcpy(&x, sc + p + l * VL, sizeof x);
+                lv[l] = lv[l] + x;
+            }
+        float lanes[LANES];
+        memcpy(lanes, lv, sizeof lanes);
+        denom[r] = lane_sum(lanes);
+        for (; p < len; p++) denom[r] = denom[r] + sc[p];
+    }
+    /* The weighted sum of values, one vector of every row's output at a time, the weights
+     * position-major (after the scores, in the same buffer) so that one pointer reads them. */
+    float *wt = score + R * max_ctx;
+    for (int64_t p = 0; p < nmax; p++)
+        for (int r = 0; r < R; r++) wt[p * R + r] = score[r * max_ctx + p];
+    for (int64_t c = 0; c < chunks; c++) {
+        vf acc[R];
+        for (int r = 0; r < R; r++) acc[r] = (vf){0};
+        for (int64_t p = 0; p < nmax; p++) {
+            vf vv = loadv(vbase + (sl[p] * d + c * VL) * ces, cache_bf16);
+            for (int r = 0; r < R; r++) acc[r] = vfma(splat(wt[p * R + r]), vv, acc[r]);
+        }
+        for (int r = 0; r < R; r++) {
+            vf v = acc[r] / denom[r];
+            memcpy(o + r * d + c * VL, &v, sizeof v);
+        }
+    }
+}
+
+/* Rows of a job: query row r at q + (r / per) * step + (r % per) * d values (`bf16`), scaled. */
+static inline void load_rows(float *qs, const char *q, int64_t rows, int64_t per, int64_t step,
+                             int64_t d, float scale, int bf16) {
+    size_t es = bf16 ? 2 : 4;
+    for (int64_t r = 0; r < rows; r++) {
+        const char *src = q + ((r / per) * step + (r % per) * d) * es;
+        for (int64_t c = 0; c < d / VL; c++) {
+            vf v = loadv(src + c * VL * es, bf16) * scale;
+            memcpy(qs + r * d + c * VL, &v, sizeof v);
+        }
+    }
+}
+
+static inline void store_rows(char *out, const float *os, int64_t rows, int64_t per,
+                              int64_t step, int64_t d, int bf16) {
+    size_t es = bf16 ? 2 : 4;
+    for (int64_t r = 0; r < rows; r++)
+        store_row(out + ((r / per) * step + (r % per) * d) * es, os + r * d, d, bf16);
+}
+
+/* One sequence's kv head: `group` of its query heads over n context positions, in blocks of
+ * at most 4 heads (each block reads the keys and values again), inlined with a literal block
+ * size and cache dtype: 8 instantiations. */
+static void decode_job(const char *q, int64_t group, const char *kbase, const char *vbase,
+                       const int64_t *sl, int64_t n, int64_t d, float scale, float *score,
+                       int64_t max_ctx, char *out, int bf16, int cache_bf16) {
+    size_t es = bf16 ? 2 : 4;
+    float qs[4 * MAX_DIM], os[4 * MAX_DIM];
+    const int64_t lens[4] = {n, n, n, n};
+    for (int64_t g0 = 0; g0 < group; g0 += 4) {
+        int64_t heads = group - g0 < 4 ? group - g0 : 4;
+        load_rows(qs, q + g0 * d * es, heads, heads, 0, d, scale, bf16);
+#define DECODE_HEADS(G)                                                                       \
+    do {                                                                                      \
+        if (cache_bf16)                                                                       \
+            attend_rows(qs, G, lens, n, kbase, vbase, sl, d, score, max_ctx, os, 1);          \
+        else                                                                                  \
+            attend_rows(qs, G, lens, n, kbase, vbase, sl, d, score, max_ctx, os, 0);          \
+    } while (0)
+        switch (heads) {
+            case 1: DECODE_HEADS(1); break;
+            case 2: DECODE_HEADS(2); break;
+            case 3: DECODE_HEADS(3); break;
+            default: DECODE_HEADS(4); break;
+        }
+#undef DECODE_HEADS
+        store_rows(out + g0 * d * es, os, heads, heads, 0, d, bf16);
+    }
+}
+
+/* One generated token per entry b, attending over its own context in the paged cache.
+ * q: [b, hq, d] (dtype `bf16`), scaled by `scale` here; caches [hkv, num_slots, d]
+ * (`cache_bf16`); ctx_slots: [b, max_ctx] cache slot of each context position, lens[b]
+ * positions real; out: [b, hq * d] (`bf16`). Scores, softmax and the weighted sum are fp32,
+ * each query head over its own positions in order. Returns 2 if out of memory. */
+int paged_decode(const void *q, const void *k_cache, const void *v_cache,
+                 const int64_t *ctx_slots, const int64_t *lens, void *out, int64_t b,
+                 int64_t hq, int64_t hkv, int64_t d, int64_t max_ctx, int64_t num_slots,
+                 double scale, int bf16, int cache_bf16) {
+    if (d > MAX_DIM || d % VL || hq % hkv) return 1;
+    for (int64_t e = 0; e < b; e++)
+        if (lens[e] < 1 || lens[e] > max_ctx) return 1;
+    size_t es = bf16 ? 2 : 4, ces = cache_bf16 ? 2 : 4;
+    int64_t group = hq / hkv, work = 0, longest = 0;
+    for (int64_t e = 0; e < b; e++) {
+        work += lens[e];
+        longest = lens[e] > longest ? lens[e] : longest;
+    }
+    int failed = 0;
+    /* A job is one kv head of one entry with its `group` query heads (they share the keys and
+     * values; one query head a job was slower even at one entry). Each thread keeps its jobs'
+     * scores in one buffer of its own. */
+    #pragma omp parallel if (work * hq * d >= (1 << 15))
+    {
+        float *sc = malloc((size_t)(2 * 4 * longest) * sizeof(float));  /* attend_rows' two */
+        if (sc == NULL) {
+            #pragma omp atomic write
+            failed = 2;
+        }
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t job = 0; job < b * hkv; job++) {
+            if (sc == NULL) continue;
+            int64_t e = job / hkv, h = job % hkv * group, kh = job % hkv;
+            const char *qe = (const char *)q + (e * hq + h) * d * es;
+            const char *kbase = (const char *)k_cache + kh * num_slots * d * ces;
+            const char *vbase = (const char *)v_cache + kh * num_slots * d * ces;
+            char *oe = (char *)out + (e * hq + h) * d * es;
+            const int64_t *sl = ctx_slots + e * max_ctx;
+            int64_t n = lens[e];
+            float sf = (float)scale;
+            decode_job(qe, group, kbase, vbase, sl, n, d, sf, sc, longest, oe, bf16, cache_bf16);
+        }
+        free(sc);
+    }
+    return failed;
+}
+
+#define PROMPT_ROWS 12 /* rows a prompt job attends at once: its queries times their heads */
+/* Prompt positions below this attend here, the rest in attention.py's tiles of batched matmuls,
+ * which are faster past it (both measured on Zen 4: AVX-512, and held to AVX2) */
+#define PROMPT_POSITIONS (VL == 16 ? 256 : 512)
+
+int64_t prompt_positions(void) { return PROMPT_POSITIONS; }
+
+/* One sequence's prompt chunk: query t in [0, num) at position start + t attends over context
+ * positions [0, start + t], whose cache slots are ctx_slots[0, start + num). q: [num, hq, d]
+ * (`bf16`), scaled here; caches as paged_decode's; out: [num, hq * d]. A job is PROMPT_ROWS
+ * rows: `heads` query heads (the largest of 4, 3, 2, 1 dividing the group) of one kv head for
+ * PROMPT_ROWS / heads consecutive queries, which share every key and value they load; a short
+ * last job repeats its last query, whose copies are dropped. Each query's numbers depend on
+ * its own position only, so a prompt whole, in chunks or after a prefix hit gives the same
+ * bits. Returns 2 if out of memory. */
+int paged_prompt(const void *q, const void *k_cache, const void *v_cache,
+                 const int64_t *ctx_slots, int64_t start, int64_t num, void *out, int64_t hq,
+                 int64_t hkv, int64_t d, int64_t num_slots, double scale, int bf16,
+                 int cache_bf16) {
+    if (d > MAX_DIM || d % VL || hq % hkv || start < 0 || num < 1) return 1;
+    size_t es = bf16 ? 2 : 4, ces = cache_bf16 ? 2 : 4;
+    int64_t group = hq / hkv, heads = group % 4 == 0 ? 4 : group % 3 == 0 ? 3
+                                                           : group % 2 == 0 ? 2 : 1;
+    int64_t per = PROMPT_ROWS / heads, blocks = (num + per - 1) / per, ctx = start + num;
+    int64_t jobs = hkv * (group / heads) * blocks;
+    int failed = 0;
+    #pragma omp parallel if (num * ctx * hq * d >= (1 << 16))
+    {
+        float *sc = malloc((size_t)(2 * PROMPT_ROWS * ctx) * sizeof(float));
+        float *qs = malloc((size_t)(2 * PROMPT_ROWS * d) * sizeof(float)), *os = qs + PROMPT_ROWS * d;
+        if (sc == NULL || qs == NULL) {
+            #pragma omp atomic write
+            failed = 2;
+        }
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t job = 0; job < jobs; job++) {
+            if (sc == NULL || qs == NULL) continue;
+            int64_t kh = job / (jobs / hkv), rest = job % (jobs / hkv);
+            int64_t h0 = kh * group + rest / blocks * heads, t0 = rest % blocks * per;
+            int64_t real = num - t0 < per ? num - t0 : per, lens[PROMPT_ROWS], at[PROMPT_ROWS];
+            for (int64_t r = 0; r < PROMPT_ROWS; r++) {
+                int64_t t = t0 + (r / heads < real ? r / heads : real - 1);
+                at[r] = t * hq + h0 + r % heads;  /* the row's query head among q's rows */
+                lens[r] = start + t + 1;
+                const char *src = (const char *)q + at[r] * d * es;
+                for (int64_t c = 0; c < d / VL; c++) {
+                    vf v = loadv(src + c * VL * es, bf16) * (float)scale;
+                    memcpy(qs + r * d + c * VL, &v, sizeof v);
+                }
+            }
+            const char *kbase = (const char *)k_cache + kh * num_slots * d * ces;
+            const char *vbase = (const char *)v_cache + kh * num_slots * d * ces;
+            int64_t nmax = start + t0 + real;
+            if (cache_bf16)
+                attend_rows(qs, PROMPT_ROWS, lens, nmax, kbase, vbase, ctx_slots, d, sc, ctx, os, 1);
+            else
+                attend_rows(qs, PROMPT_ROWS, lens, nmax, kbase, vbase, ctx_slots, d, sc, ctx, os, 0);
+            for (int64_t r = 0; r < real * heads; r++)
+                store_row((char *)out + at[r] * d * es, os + r * d, d, bf16);
+        }
+        free(sc);
+        free(qs);
+    }
+    return failed;
+}
