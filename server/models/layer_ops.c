@@ -70,27 +70,6 @@ static inline float dot(const float *a, const float *b, int64_t n) {
 #define MAX_DIM 1024  /* the widest head these take */
 #define MAX_HIDDEN 16384  /* the widest row rms_norm takes */
 
-/* e^x for x <= 0 (Cephes' expf: x = n ln2 + r, a degree-6 polynomial in r, 2^n by its exponent
- * bits; within 2 ulp), pure arithmetic so that loops over it vectorize. n = round(x / ln2) by
- * adding and subtracting 1.5 * 2^23 (exact for |x / ln2| < 2^22). */
-static inline float exp_neg(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    float r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    float y = p * r * r + r + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return y * scale;
-}
-
 /* RMSNorm of t rows of h values: y = weight * round(x / rms(x)) as the reference implementation
  * computes it (normalize in fp32, round to the input dtype, scale in the input dtype). */
 int rms_norm(const void *x, const void *weight, void *out, int64_t t, int64_t h, double eps,

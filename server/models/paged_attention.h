@@ -1,6 +1,6 @@
 /* Paged attention over the KV cache pool: decode queries (paged_decode) and prompt chunks
  * (paged_prompt). Part of layer_ops.c, which includes it once at its end: it uses that file's
- * row helpers (store_row, lane_sum, exp_neg, MAX_DIM). Scores, softmax and weighted sums are
+ * row helpers (store_row, lane_sum, MAX_DIM). Scores, softmax and weighted sums are
  * fp32; every query row's numbers depend on its own query and context only. */
 
 /* VL floats in one vector: 16 on AVX-512 (one register), else 8 (one AVX2 register). GCC's
@@ -38,7 +38,9 @@ static inline vf vmax(vf a, vf b) {
     return (vf)((take & (i32v)a) | (~take & (i32v)b));
 }
 
-/* exp_neg in every lane: the same operations, so the same bits as the scalar one. */
+/* e^x for x <= 0 in every lane (Cephes' expf: x = n ln2 + r, a degree-6 polynomial in r, 2^n
+ * by its exponent bits; within 2 ulp). n = round(x / ln2) by adding and subtracting 1.5 * 2^23
+ * (exact for |x / ln2| < 2^22). Each lane's result depends on that lane only. */
 static inline vf exp_negv(vf x) {
     const vf low = (vf){0} - 87.0f;
     i32v clamp = x < low;
@@ -157,13 +159,13 @@ static inline __attribute__((always_inline)) void attend_rows(
             for (int l = 0; l < VL; l++) peak = lane[l] > peak ? lane[l] : peak;
         }
         for (; p < len; p++) peak = sc[p] > peak ? sc[p] : peak;
-        for (p = 0; p + VL <= len; p += VL) {
-            vf x;
-            memcpy(&x, sc + p, sizeof x);
+        for (p = 0; p < len; p += VL) {  /* the last vector part padding, not stored */
+            int64_t count = len - p < VL ? len - p : VL;
+            vf x = {0};
+            memcpy(&x, sc + p, (size_t)count * sizeof(float));
             x = exp_negv(x - peak);
-            memcpy(sc + p, &x, sizeof x);
+            memcpy(sc + p, &x, (size_t)count * sizeof(float));
         }
-        for (; p < len; p++) sc[p] = exp_neg(sc[p] - peak);
         for (p = len; p < nmax; p++) sc[p] = 0.0f;
         /* LANES interleaved sums, VL lanes a vector */
         vf lv[LANES / VL] = {{0}};
