@@ -13,7 +13,7 @@ Batch invariance: a matmul kernel's rounding can depend on the shape of the call
 GEMM takes another path below 4 rows and for a tail of columns; oneDNN picks blockings by
 shape), so every matmul here has a shape that depends on the query's own position only, never
 on the other sequences of the step or on how a prompt was chunked:
-- prompt queries at positions below layer_ops.prompt_positions() (a machine's constant) attend
+- prompt queries at positions below layer_ops.prompt_positions() (512) attend
   in layer_ops.paged_prompt, each over its own context in a fixed order, shared loads aside;
 - the other prompt queries run in tiles of QUERY_TILE positions aligned to the sequence start;
   tile k attends to the context [0, (k + 1) * QUERY_TILE) (future positions masked), so its

@@ -94,6 +94,49 @@ static inline vf sum_lanes(vf v[VL]) {
     return v[0];
 }
 
+/* Each row r's scores (score + r * stride) over its own n[r] positions become e^(s - max), their
+ * sum in denom[r]; positions [n[r], nmax) become zeros. */
+static inline void softmax_rows(float *score, const int R, const int64_t *n, int64_t nmax,
+                                int64_t stride, float *denom) {
+    for (int r = 0; r < R; r++) {
+        float *sc = score + r * stride, peak = -INFINITY;
+        int64_t p = 0, len = n[r];
+        if (len >= VL) {  /* the maximum in lanes, then across them (exact in any order) */
+            vf m;
+            memcpy(&m, sc, sizeof m);
+            for (p = VL; p + VL <= len; p += VL) {
+                vf x;
+                memcpy(&x, sc + p, sizeof x);
+                m = vmax(m, x);
+            }
+            float lane[VL];
+            memcpy(lane, &m, sizeof lane);
+            for (int l = 0; l < VL; l++) peak = lane[l] > peak ? lane[l] : peak;
+        }
+        for (; p < len; p++) peak = sc[p] > peak ? sc[p] : peak;
+        for (p = 0; p < len; p += VL) {  /* the last vector part padding, not stored */
+            int64_t count = len - p < VL ? len - p : VL;
+            vf x = {0};
+            memcpy(&x, sc + p, (size_t)count * sizeof(float));
+            x = exp_negv(x - peak);
+            memcpy(sc + p, &x, (size_t)count * sizeof(float));
+        }
+        for (p = len; p < nmax; p++) sc[p] = 0.0f;
+        /* LANES interleaved sums, VL lanes a vector */
+        vf lv[LANES / VL] = {{0}};
+        for (p = 0; p + LANES <= len; p += LANES)
+            for (int l = 0; l < LANES / VL; l++) {
+                vf x;
+                memcpy(&x, sc + p + l * VL, sizeof x);
+                lv[l] = lv[l] + x;
+            }
+        float lanes[LANES];
+        memcpy(lanes, lv, sizeof lanes);
+        denom[r] = lane_sum(lanes);
+        for (; p < len; p++) denom[r] = denom[r] + sc[p];
+    }
+}
+
 /* R query rows of one kv head (qs: fp32 [R][d], already scaled), row r over the first n[r]
  * context positions (nmax the most): o fp32 [R][d]. Inlined with a literal R and cache dtype
  * (the hot loops'), so that each case keeps its accumulators in registers. A row's numbers
@@ -143,43 +186,7 @@ static inline __attribute__((always_inline)) void attend_rows(
         }
     }
     float denom[R];
-    for (int r = 0; r < R; r++) {
-        float *sc = score + r * max_ctx, peak = -INFINITY;
-        int64_t p = 0, len = n[r];
-        if (len >= VL) {  /* the maximum in lanes, then across them (exact in any order) */
-            vf m;
-            memcpy(&m, sc, sizeof m);
-            for (p = VL; p + VL <= len; p += VL) {
-                vf x;
-                memcpy(&x, sc + p, sizeof x);
-                m = vmax(m, x);
-            }
-            float lane[VL];
-            memcpy(lane, &m, sizeof lane);
-            for (int l = 0; l < VL; l++) peak = lane[l] > peak ? lane[l] : peak;
-        }
-        for (; p < len; p++) peak = sc[p] > peak ? sc[p] : peak;
-        for (p = 0; p < len; p += VL) {  /* the last vector part padding, not stored */
-            int64_t count = len - p < VL ? len - p : VL;
-            vf x = {0};
-            memcpy(&x, sc + p, (size_t)count * sizeof(float));
-            x = exp_negv(x - peak);
-            memcpy(sc + p, &x, (size_t)count * sizeof(float));
-        }
-        for (p = len; p < nmax; p++) sc[p] = 0.0f;
-        /* LANES interleaved sums, VL lanes a vector */
-        vf lv[LANES / VL] = {{0}};
-        for (p = 0; p + LANES <= len; p += LANES)
-            for (int l = 0; l < LANES / VL; l++) {
-                vf x;
-                memcpy(&x, sc + p + l * VL, sizeof x);
-                lv[l] = lv[l] + x;
-            }
-        float lanes[LANES];
-        memcpy(lanes, lv, sizeof lanes);
-        denom[r] = lane_sum(lanes);
-        for (; p < len; p++) denom[r] = denom[r] + sc[p];
-    }
+    softmax_rows(score, R, n, nmax, max_ctx, denom);
     /* The weighted sum of values, one vector of every row's output at a time, the weights
      * position-major (after the scores, in the same buffer) so that one pointer reads them. */
     float *wt = score + R * max_ctx;
@@ -297,42 +304,113 @@ int paged_decode(const void *q, const void *k_cache, const void *v_cache,
 }
 
 #define PROMPT_ROWS 12 /* rows a prompt job attends at once: its queries times their heads */
+#define SCORE_ROWS 6 /* rows of a block of scores: 6 x 2 vectors of sums (12 AVX2 registers) */
+#define SUM_ROWS 4 /* rows of a block of weighted sums: 4 x 2 vectors */
 /* Prompt positions below this attend here, the rest in attention.py's tiles of batched matmuls,
- * which are faster past it (both measured on Zen 4: AVX-512, and held to AVX2) */
-#define PROMPT_POSITIONS (VL == 16 ? 256 : 512)
+ * which catch up past it (per layer at 512 positions here 2.8-4.9 ms against 2.8-4.7, at 2,048
+ * 44-68 against 46-62: Zen 4 with AVX-512, and held to AVX2) */
+#define PROMPT_POSITIONS 512
 
 int64_t prompt_positions(void) { return PROMPT_POSITIONS; }
 
+/* A prompt job's PROMPT_ROWS rows (qs, scaled) against one kv head's keys transposed (kt [d]
+ * [ctxp], zeros past the context) and values (vg [ctx][d]), row r over positions [0, n[r]):
+ * scores vectorized over positions, each (row, position)'s products summed over d in order,
+ * then softmax_rows, then the weighted sums over positions in order (weights past a row's own
+ * positions are exact zeros added to sums that start at +0). o: fp32 [PROMPT_ROWS][d]. */
+static void prompt_rows(const float *qs, const int64_t *n, int64_t nmax, const float *kt,
+                        int64_t ctxp, const float *vg, int64_t d, float *score, float *o) {
+    const int R = PROMPT_ROWS;
+    for (int64_t p0 = 0; p0 < nmax; p0 += 2 * VL)
+        for (int r0 = 0; r0 < R; r0 += SCORE_ROWS) {
+            vf a[SCORE_ROWS][2];
+            for (int i = 0; i < SCORE_ROWS; i++) a[i][0] = a[i][1] = (vf){0};
+            for (int64_t c = 0; c < d; c++) {
+                vf k0, k1;
+                memcpy(&k0, kt + c * ctxp + p0, sizeof k0);
+                memcpy(&k1, kt + c * ctxp + p0 + VL, sizeof k1);
+                for (int i = 0; i < SCORE_ROWS; i++) {
+                    vf qv = splat(qs[(r0 + i) * d + c]);
+                    a[i][0] = vfma(qv, k0, a[i][0]);
+                    a[i][1] = vfma(qv, k1, a[i][1]);
+                }
+            }
+            for (int i = 0; i < SCORE_ROWS; i++)
+                memcpy(score + (r0 + i) * ctxp + p0, a[i], sizeof a[i]);
+        }
+    float denom[PROMPT_ROWS], *wt = score + R * ctxp;
+    softmax_rows(score, R, n, nmax, ctxp, denom);
+    for (int64_t p = 0; p < nmax; p++)
+        for (int r = 0; r < R; r++) wt[p * R + r] = score[r * ctxp + p];
+    for (int64_t c0 = 0; c0 < d; c0 += 2 * VL)
+        for (int r0 = 0; r0 < R; r0 += SUM_ROWS) {
+            vf a[SUM_ROWS][2];
+            for (int i = 0; i < SUM_ROWS; i++) a[i][0] = a[i][1] = (vf){0};
+            for (int64_t p = 0; p < nmax; p++) {
+                vf v0, v1;
+                memcpy(&v0, vg + p * d + c0, sizeof v0);
+                memcpy(&v1, vg + p * d + c0 + VL, sizeof v1);
+                for (int i = 0; i < SUM_ROWS; i++) {
+                    vf w = splat(wt[p * R + r0 + i]);
+                    a[i][0] = vfma(w, v0, a[i][0]);
+                    a[i][1] = vfma(w, v1, a[i][1]);
+                }
+            }
+            for (int i = 0; i < SUM_ROWS; i++)
+                for (int j = 0; j < 2; j++) {
+                    vf v = a[i][j] / denom[r0 + i];
+                    memcpy(o + (r0 + i) * d + c0 + j * VL, &v, sizeof v);
+                }
+        }
+}
+
 /* One sequence's prompt chunk: query t in [0, num) at position start + t attends over context
  * positions [0, start + t], whose cache slots are ctx_slots[0, start + num). q: [num, hq, d]
- * (`bf16`), scaled here; caches as paged_decode's; out: [num, hq * d]. A job is PROMPT_ROWS
- * rows: `heads` query heads (the largest of 4, 3, 2, 1 dividing the group) of one kv head for
- * PROMPT_ROWS / heads consecutive queries, which share every key and value they load; a short
- * last job repeats its last query, whose copies are dropped. Each query's numbers depend on
- * its own position only, so a prompt whole, in chunks or after a prefix hit gives the same
- * bits. Returns 2 if out of memory. */
+ * (`bf16`), scaled here; caches as paged_decode's; out: [num, hq * d]. The context's keys
+ * (transposed) and values are read from the pool once, in fp32. A job is PROMPT_ROWS rows:
+ * `heads` query heads (the largest of 4, 3, 2, 1 dividing the group) of one kv head for
+ * PROMPT_ROWS / heads consecutive queries; a short last job repeats its last query, whose
+ * copies are dropped. Each query's numbers depend on its own position only, so a prompt whole,
+ * in chunks or after a prefix hit gives the same bits. Returns 2 if out of memory. */
 int paged_prompt(const void *q, const void *k_cache, const void *v_cache,
                  const int64_t *ctx_slots, int64_t start, int64_t num, void *out, int64_t hq,
                  int64_t hkv, int64_t d, int64_t num_slots, double scale, int bf16,
                  int cache_bf16) {
-    if (d > MAX_DIM || d % VL || hq % hkv || start < 0 || num < 1) return 1;
+    if (d > MAX_DIM || d % (2 * VL) || hq % hkv || start < 0 || num < 1) return 1;
     size_t es = bf16 ? 2 : 4, ces = cache_bf16 ? 2 : 4;
     int64_t group = hq / hkv, heads = group % 4 == 0 ? 4 : group % 3 == 0 ? 3
                                                            : group % 2 == 0 ? 2 : 1;
     int64_t per = PROMPT_ROWS / heads, blocks = (num + per - 1) / per, ctx = start + num;
-    int64_t jobs = hkv * (group / heads) * blocks;
-    int failed = 0;
+    int64_t jobs = hkv * (group / heads) * blocks, ctxp = (ctx + 2 * VL - 1) / (2 * VL) * 2 * VL;
+    float *kt = malloc((size_t)(hkv * d * ctxp) * sizeof(float));
+    float *vg = malloc((size_t)(hkv * ctx * d) * sizeof(float));
+    int failed = kt == NULL || vg == NULL ? 2 : 0;
     #pragma omp parallel if (num * ctx * hq * d >= (1 << 16))
     {
-        float *sc = malloc((size_t)(2 * PROMPT_ROWS * ctx) * sizeof(float));
+        float *sc = malloc((size_t)(2 * PROMPT_ROWS * ctxp) * sizeof(float));
         float *qs = malloc((size_t)(2 * PROMPT_ROWS * d) * sizeof(float)), *os = qs + PROMPT_ROWS * d;
         if (sc == NULL || qs == NULL) {
             #pragma omp atomic write
             failed = 2;
         }
+        #pragma omp for schedule(static)
+        for (int64_t hp = 0; hp < hkv * ctxp; hp++) {
+            if (kt == NULL || vg == NULL) continue;
+            int64_t h = hp / ctxp, p = hp % ctxp;
+            float key[MAX_DIM];
+            if (p < ctx) {
+                const char *row = (const char *)k_cache + (h * num_slots + ctx_slots[p]) * d * ces;
+                load_row(key, row, d, cache_bf16);
+                load_row(vg + (h * ctx + p) * d,
+                         (const char *)v_cache + (h * num_slots + ctx_slots[p]) * d * ces, d, cache_bf16);
+            } else {
+                memset(key, 0, (size_t)d * sizeof(float));
+            }
+            for (int64_t c = 0; c < d; c++) kt[(h * d + c) * ctxp + p] = key[c];
+        }
         #pragma omp for schedule(dynamic, 1)
         for (int64_t job = 0; job < jobs; job++) {
-            if (sc == NULL || qs == NULL) continue;
+            if (sc == NULL || qs == NULL || kt == NULL || vg == NULL) continue;
             int64_t kh = job / (jobs / hkv), rest = job % (jobs / hkv);
             int64_t h0 = kh * group + rest / blocks * heads, t0 = rest % blocks * per;
             int64_t real = num - t0 < per ? num - t0 : per, lens[PROMPT_ROWS], at[PROMPT_ROWS];
@@ -346,18 +424,15 @@ int paged_prompt(const void *q, const void *k_cache, const void *v_cache,
                     memcpy(qs + r * d + c * VL, &v, sizeof v);
                 }
             }
-            const char *kbase = (const char *)k_cache + kh * num_slots * d * ces;
-            const char *vbase = (const char *)v_cache + kh * num_slots * d * ces;
-            int64_t nmax = start + t0 + real;
-            if (cache_bf16)
-                attend_rows(qs, PROMPT_ROWS, lens, nmax, kbase, vbase, ctx_slots, d, sc, ctx, os, 1);
-            else
-                attend_rows(qs, PROMPT_ROWS, lens, nmax, kbase, vbase, ctx_slots, d, sc, ctx, os, 0);
+            prompt_rows(qs, lens, start + t0 + real, kt + kh * d * ctxp, ctxp, vg + kh * ctx * d,
+                        d, sc, os);
             for (int64_t r = 0; r < real * heads; r++)
                 store_row((char *)out + at[r] * d * es, os + r * d, d, bf16);
         }
         free(sc);
         free(qs);
     }
+    free(kt);
+    free(vg);
     return failed;
 }
