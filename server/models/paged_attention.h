@@ -137,13 +137,11 @@ static inline void softmax_rows(float *score, const int R, const int64_t *n, int
     }
 }
 
-/* R query rows of one kv head (qs: fp32 [R][d], already scaled), row r over the first n[r]
- * context positions (nmax the most): o fp32 [R][d]. Inlined with a literal R and cache dtype
- * (the hot loops'), so that each case keeps its accumulators in registers. A row's numbers
- * depend on its own query and n only: scores past n[r] are computed for the longest row, then
- * dropped (zero weights add exact zeros to sums that start at +0). */
-static inline __attribute__((always_inline)) void attend_rows(
-        const float *qs, const int R, const int64_t *n, int64_t nmax, const char *kbase,
+/* R query heads of one decode query (qs: fp32 [R][d], already scaled), sharing one kv head, over
+ * its n context positions: o fp32 [R][d]. Inlined with a literal R and cache dtype (the hot
+ * loops'), so that each case keeps its accumulators in registers. */
+static inline __attribute__((always_inline)) void decode_heads(
+        const float *qs, const int R, int64_t nmax, const char *kbase,
         const char *vbase, const int64_t *sl, int64_t d, float *score, int64_t max_ctx,
         float *o, const int cache_bf16) {
     size_t ces = cache_bf16 ? 2 : 4;
@@ -186,6 +184,8 @@ static inline __attribute__((always_inline)) void attend_rows(
         }
     }
     float denom[R];
+    int64_t n[R];
+    for (int r = 0; r < R; r++) n[r] = nmax;
     softmax_rows(score, R, n, nmax, max_ctx, denom);
     /* The weighted sum of values, one vector of every row's output at a time, the weights
      * position-major (after the scores, in the same buffer) so that one pointer reads them. */
@@ -206,24 +206,13 @@ static inline __attribute__((always_inline)) void attend_rows(
     }
 }
 
-/* Rows of a job: query row r at q + (r / per) * step + (r % per) * d values (`bf16`), scaled. */
-static inline void load_rows(float *qs, const char *q, int64_t rows, int64_t per, int64_t step,
-                             int64_t d, float scale, int bf16) {
+/* One query row (d values, `bf16`) into fp32, scaled. */
+static inline void load_scaled(float *dst, const char *src, int64_t d, float scale, int bf16) {
     size_t es = bf16 ? 2 : 4;
-    for (int64_t r = 0; r < rows; r++) {
-        const char *src = q + ((r / per) * step + (r % per) * d) * es;
-        for (int64_t c = 0; c < d / VL; c++) {
-            vf v = loadv(src + c * VL * es, bf16) * scale;
-            memcpy(qs + r * d + c * VL, &v, sizeof v);
-        }
+    for (int64_t c = 0; c < d / VL; c++) {
+        vf v = loadv(src + c * VL * es, bf16) * scale;
+        memcpy(dst + c * VL, &v, sizeof v);
     }
-}
-
-static inline void store_rows(char *out, const float *os, int64_t rows, int64_t per,
-                              int64_t step, int64_t d, int bf16) {
-    size_t es = bf16 ? 2 : 4;
-    for (int64_t r = 0; r < rows; r++)
-        store_row(out + ((r / per) * step + (r % per) * d) * es, os + r * d, d, bf16);
 }
 
 /* One sequence's kv head: `group` of its query heads over n context positions, in blocks of
@@ -234,16 +223,16 @@ static void decode_job(const char *q, int64_t group, const char *kbase, const ch
                        int64_t max_ctx, char *out, int bf16, int cache_bf16) {
     size_t es = bf16 ? 2 : 4;
     float qs[4 * MAX_DIM], os[4 * MAX_DIM];
-    const int64_t lens[4] = {n, n, n, n};
     for (int64_t g0 = 0; g0 < group; g0 += 4) {
         int64_t heads = group - g0 < 4 ? group - g0 : 4;
-        load_rows(qs, q + g0 * d * es, heads, heads, 0, d, scale, bf16);
+        for (int64_t r = 0; r < heads; r++)
+            load_scaled(qs + r * d, q + (g0 + r) * d * es, d, scale, bf16);
 #define DECODE_HEADS(G)                                                                       \
     do {                                                                                      \
         if (cache_bf16)                                                                       \
-            attend_rows(qs, G, lens, n, kbase, vbase, sl, d, score, max_ctx, os, 1);          \
+            decode_heads(qs, G, n, kbase, vbase, sl, d, score, max_ctx, os, 1);               \
         else                                                                                  \
-            attend_rows(qs, G, lens, n, kbase, vbase, sl, d, score, max_ctx, os, 0);          \
+            decode_heads(qs, G, n, kbase, vbase, sl, d, score, max_ctx, os, 0);               \
     } while (0)
         switch (heads) {
             case 1: DECODE_HEADS(1); break;
@@ -252,7 +241,8 @@ static void decode_job(const char *q, int64_t group, const char *kbase, const ch
             default: DECODE_HEADS(4); break;
         }
 #undef DECODE_HEADS
-        store_rows(out + g0 * d * es, os, heads, heads, 0, d, bf16);
+        for (int64_t r = 0; r < heads; r++)
+            store_row(out + (g0 + r) * d * es, os + r * d, d, bf16);
     }
 }
 
@@ -280,7 +270,7 @@ int paged_decode(const void *q, const void *k_cache, const void *v_cache,
      * scores in one buffer of its own. */
     #pragma omp parallel if (work * hq * d >= (1 << 15))
     {
-        float *sc = malloc((size_t)(2 * 4 * longest) * sizeof(float));  /* attend_rows' two */
+        float *sc = malloc((size_t)(2 * 4 * longest) * sizeof(float));  /* decode_heads' two */
         if (sc == NULL) {
             #pragma omp atomic write
             failed = 2;
@@ -418,11 +408,7 @@ int paged_prompt(const void *q, const void *k_cache, const void *v_cache,
                 int64_t t = t0 + (r / heads < real ? r / heads : real - 1);
                 at[r] = t * hq + h0 + r % heads;  /* the row's query head among q's rows */
                 lens[r] = start + t + 1;
-                const char *src = (const char *)q + at[r] * d * es;
-                for (int64_t c = 0; c < d / VL; c++) {
-                    vf v = loadv(src + c * VL * es, bf16) * (float)scale;
-                    memcpy(qs + r * d + c * VL, &v, sizeof v);
-                }
+                load_scaled(qs + r * d, (const char *)q + at[r] * d * es, d, (float)scale, bf16);
             }
             prompt_rows(qs, lens, start + t0 + real, kt + kh * d * ctxp, ctxp, vg + kh * ctx * d,
                         d, sc, os);
