@@ -132,3 +132,4 @@ int rope_store(const void *qkv, int64_t t, int64_t row_stride, int64_t hq, int64
 
 /* The attention kernels (one compilation unit with the helpers above). */
 #include "paged_attention.h"
+#include "dense_gemm.h"

@@ -39,6 +39,7 @@ _SIGNATURES = {
                      ctypes.c_int],
     "paged_prompt": [_P, _P, _P, _P, _I, _I, _P, _I, _I, _I, _I, _D, ctypes.c_int,
                      ctypes.c_int],
+    "dense_gemm": [_P, _P, _P, _I, _I, _I, ctypes.c_int, ctypes.c_int],
 }
 
 _lock = threading.Lock()
@@ -176,6 +177,21 @@ def paged_prompt(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return out
 
 
+def dense_mm(x: torch.Tensor, weight: torch.Tensor, lib=None) -> torch.Tensor | None:
+    """x [M, K] @ weight [N, K]^T -> [M, N] in x's dtype, each row computed on its own
+    (dense_gemm.h: an unquantized layer's generated rows). None: not here."""
+    lib = lib or _lib()
+    if (lib is None or x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]
+            or not _fits(x, weight) or x.dtype not in _DTYPES or weight.dtype not in _DTYPES):
+        return None
+    (m, k), n = x.shape, weight.shape[0]
+    y = x.new_empty(m, n)
+    if lib.dense_gemm(x.data_ptr(), weight.data_ptr(), y.data_ptr(), m, n, k,
+                      x.dtype == torch.bfloat16, weight.dtype == torch.bfloat16):
+        return None
+    return y
+
+
 def _self_check(lib) -> str | None:
     """None if every function matches PyTorch within rounding and gives each row the same bits
     alone and batched; else what failed."""
@@ -191,9 +207,23 @@ def _self_check(lib) -> str | None:
             return f"rms_norm {dtype}"
         if not torch.equal(got[3:4], rms_norm(x[3:4].contiguous(), w, 1e-5, lib)):
             return f"rms_norm rows {dtype}"
-        problem = _check_attention(lib, dtype, tol, g)
+        problem = _check_attention(lib, dtype, tol, g) or _check_dense(lib, dtype, tol, g)
         if problem:
             return problem
+    return None
+
+
+def _check_dense(lib, dtype: torch.dtype, tol: float, g: torch.Generator) -> str | None:
+    """dense_mm against the fp32 product (weights in the compute dtype and in bf16), and each
+    row alone the same bits as in a batch."""
+    x = torch.randn(11, 96, generator=g).to(dtype)
+    for wdtype in {dtype, torch.bfloat16}:
+        w = torch.randn(48, 96, generator=g).to(wdtype)
+        got, want = dense_mm(x, w, lib), x.float() @ w.float().t()
+        if got is None or not torch.allclose(got.float(), want, rtol=tol, atol=tol * 10):
+            return f"dense_mm {dtype} x {wdtype}"
+        if not all(torch.equal(got[i:i + 1], dense_mm(x[i:i + 1], w, lib)) for i in range(11)):
+            return f"dense_mm rows {dtype} x {wdtype}"
     return None
 
 

@@ -5,13 +5,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+import server.models.layer_ops as layer_ops
 from server.quant.rows import GENERATED_TILE, RowSplit, rows_mm, tiled_mm
 
 
 class Linear(nn.Linear):
     """nn.Linear whose rows do not depend on each other: in an engine step prompt rows and
-    generated rows each in tiles of their own size (server/quant/rows.py), elsewhere (the LM
-    head's sampling rows, evaluation) in tiles of GENERATED_TILE."""
+    generated rows each through a kernel of their own (server/quant/rows.py); generated rows,
+    and every row outside a step (the LM head's sampling rows, evaluation), through
+    layer_ops.dense_mm where it takes the layer (it reads the weight in place: at one row 5-10x
+    a GEMM in tiles), else in tiles of GENERATED_TILE rows. Which one is fixed by the layer's
+    weight and this machine, never by the number of rows."""
 
     def forward(self, x: torch.Tensor, rows: RowSplit | None = None) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
@@ -22,4 +26,5 @@ class Linear(nn.Linear):
         return y if self.bias is None else y + self.bias
 
     def _generated_mm(self, x2: torch.Tensor) -> torch.Tensor:
-        return tiled_mm(x2, self.weight.t(), GENERATED_TILE)
+        y = layer_ops.dense_mm(x2.contiguous(), self.weight)
+        return y if y is not None else tiled_mm(x2, self.weight.t(), GENERATED_TILE)

@@ -140,6 +140,34 @@ def test_rope_store_matches_pytorch(dtype, monkeypatch):
         torch.testing.assert_close(a.float(), b.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype,wdtype", [(torch.float32, torch.float32),
+                                          (torch.bfloat16, torch.bfloat16),
+                                          (torch.float32, torch.bfloat16)])
+def test_dense_mm_matches_the_product_and_rows_are_independent(dtype, wdtype):
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(80, 192, generator=g).to(wdtype)
+    x = torch.randn(29, 192, generator=g).to(dtype)
+    got = layer_ops.dense_mm(x, w)
+    want = x.float() @ w.float().t()
+    torch.testing.assert_close(got.float(), want, atol=TOL[dtype] * 10, rtol=TOL[dtype])
+    assert got.dtype == dtype
+    for m in (1, 2, 5, 6, 7, 13):  # every row-block size, and tails of each
+        assert torch.equal(layer_ops.dense_mm(x[:m], w), got[:m])
+    assert layer_ops.dense_mm(x[:, :184].contiguous(), w[:, :184].contiguous()) is None  # k
+    assert layer_ops.dense_mm(x, w[:76].contiguous()) is None  # n: not whole vectors
+    assert layer_ops.dense_mm(x, w.t().contiguous().t()) is None  # not row-major
+
+
+def test_unquantized_layers_generated_rows_take_dense_mm():
+    from server.models.linear import Linear
+
+    layer = Linear(192, 96, bias=True).to(torch.bfloat16)
+    x = torch.randn(3, 192).to(torch.bfloat16)
+    want = layer_ops.dense_mm(x, layer.weight) + layer.bias
+    assert torch.equal(layer(x), want)
+    assert torch.equal(layer(x[1:2]), want[1:2])
+
+
 def test_model_with_and_without_layer_ops_agree(monkeypatch):
     """fp32, a tiny random Llama: prompt logits within 1e-5 and the same greedy tokens."""
     ours = ours_from_hf(hf_model("llama", seed=3))
