@@ -3,7 +3,8 @@
 At one sequence a layer's kernels take ~100 us and the Python around them took as much again:
 nine module calls, the quantized layers' dispatch, each C helper's checks and allocations, the
 attention groups' bookkeeping. When every row of a step is a generated token, the layers are
-int4 or int8 in our kernels' layout (cpu_gemm.py) and layer_ops.c is built, `DecodePlan.run`
+int4 or int8 in our kernels' layout (cpu_gemm.py) or unquantized ones that dense_gemm.h takes,
+and layer_ops.c is built, `DecodePlan.run`
 calls the same C functions on the same inputs with every shape checked once when the plan is
 built, into buffers allocated once per step, and the same PyTorch operators for the residual
 adds and SiLU * up. A row's numbers are therefore the ones the modules compute, bit for bit
@@ -21,10 +22,11 @@ from torch.nn import functional as F
 
 import server.models.layer_ops as layer_ops
 import server.quant.cpu_gemm as cpu_gemm
+from server.models.linear import Linear
 from server.quant.int4 import Int4Linear
 from server.quant.int8 import Int8Linear
 
-Packed = Int4Linear | Int8Linear
+Packed = Int4Linear | Int8Linear | Linear  # Linear: an unquantized layer (dense_gemm.h)
 
 
 @dataclass(slots=True)
@@ -49,6 +51,10 @@ def _fits(m: nn.Module | None, shape: tuple[int, int]) -> bool:
                 and (m.in_features, m.out_features) == shape
                 and m.q8.shape[0] * cpu_gemm.BLOCK == m.out_features
                 and m.q8.shape[1] * 2 == m.in_features)
+    if isinstance(m, Linear):  # what its forward hands generated rows: dense_mm, if it takes it
+        w = m.weight
+        return (m.bias is None and tuple(w.shape) == shape[::-1]
+                and layer_ops.dense_mm(w.new_zeros(1, shape[0]), w) is not None)
     return False
 
 
@@ -140,6 +146,9 @@ class DecodePlan:
             """The call the layer's module makes for these rows (int4.py, int8.py)."""
             if isinstance(m, Int4Linear):
                 return gemm4(xin, m.q4x32.data_ptr(), yout, xs, t, n, k, m.group_size)
+            if isinstance(m, Linear):
+                return ops.dense_gemm(xin, m.weight.data_ptr(), yout, t, n, k, bf16,
+                                      m.weight.dtype == torch.bfloat16)
             if bf16:
                 return lib.int8_gemm(xin, m.q8.data_ptr(), m.q8_scale.data_ptr(), yout, t, n, k,
                                      0)
