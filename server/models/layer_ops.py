@@ -4,7 +4,8 @@ At decode sizes a PyTorch operator costs a few microseconds whatever it computes
 ran ~80 of them (RMSNorm 6, rotary embedding 14, the cache writes 4, decode attention ~25):
 most of a 135M model's step at one sequence. layer_ops.c does RMSNorm, the rotary embedding with
 the cache write, and attention reading the paged pool in place (paged_attention.h): decodes,
-and the prompt positions below prompt_positions(), one call each.
+and the prompt positions below prompt_positions(), one call each; and dense_mm, an unquantized
+layer's generated rows against its weight in place (dense_gemm.h).
 
 The library is compiled on first use (server/quant/native.py) and used only after it passed
 `_self_check` on this machine: each function against the PyTorch reference within rounding, and

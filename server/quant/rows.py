@@ -3,7 +3,8 @@
 The packed int4/int8 kernels win at a few rows (decode) but stay near 300 GFLOP/s from 16 rows
 on, where a bf16 GEMM reaches 400-700 (benchmarks/kernels.py). So in an engine step, rows
 holding prompt tokens run a bf16 GEMM on the layer's weight unpacked to bf16, and rows of
-generated tokens keep the packed kernel; a dense layer runs the GEMM on its own weight for both.
+generated tokens keep the packed kernel; a dense layer runs the GEMM on its own weight for
+prompt rows and layer_ops.dense_mm (the weight read in place) for generated ones (linear.py).
 The split is by what a row holds, never by how many rows there are.
 
 Each kernel must also give a row the same numbers whatever else shares the call. The packed
@@ -30,7 +31,8 @@ from torch import nn
 UNPACKED_DTYPE = torch.bfloat16
 
 # Rows per GEMM call: prompt rows (of dense layers, and of quantized layers through their
-# unpacked weights) and generated rows of dense layers, the LM head's sampling rows included.
+# unpacked weights) and generated rows of dense layers that layer_ops.dense_mm does not take
+# (GPUs, shapes it declines), the LM head's sampling rows included.
 # benchmarks/engine_throughput.py, smollm2-135m:bf16 at 1/16/32 sequences (Zen 4): 26/270/277
 # tok/s with generated tiles of 8, 23/320/321 with 16. Prompt tiles of 32 against 64: a 1,000-
 # token prompt 9% slower, a short prompt after a prefix hit 25% faster.
