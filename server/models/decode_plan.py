@@ -148,7 +148,7 @@ class DecodePlan:
                 return gemm4(xin, m.q4x32.data_ptr(), yout, xs, t, n, k, m.group_size)
             if isinstance(m, Linear):
                 return ops.dense_gemm(xin, m.weight.data_ptr(), yout, t, n, k, bf16,
-                                      m.weight.dtype == torch.bfloat16)
+                                      m.weight.dtype == torch.bfloat16, 0)
             if bf16:
                 return lib.int8_gemm(xin, m.q8.data_ptr(), m.q8_scale.data_ptr(), yout, t, n, k,
                                      0)

@@ -57,16 +57,17 @@ static inline __attribute__((always_inline)) void dense_block(
 }
 
 /* x: [m, k] (`x_bf16`), w: [n, k] (`w_bf16`), y: [m, n] in x's dtype (bf16 rounded to nearest
- * even). n a multiple of VL and k of 2 * VL, else 1 (nothing written). */
+ * even), or fp32 where `y_f32` (logits). n a multiple of VL and k of 2 * VL, else 1 (nothing
+ * written). */
 int dense_gemm(const void *x, const void *w, void *y, int64_t m, int64_t n, int64_t k,
-               int x_bf16, int w_bf16) {
+               int x_bf16, int w_bf16, int y_f32) {
     if (n % VL || k % (2 * VL) || m < 0) return 1;
 #if defined(__AVX512BF16__)
     const int dp = x_bf16 && w_bf16;
 #else
     const int dp = 0;
 #endif
-    size_t xes = x_bf16 ? 2 : 4;
+    size_t xes = x_bf16 ? 2 : 4, yes = x_bf16 && !y_f32 ? 2 : 4;
     #pragma omp parallel for schedule(static) if (m * n * k >= (1 << 18))
     for (int64_t g = 0; g < n / VL; g++) {
         vf part[DENSE_ROWS][VL];
@@ -95,7 +96,7 @@ int dense_gemm(const void *x, const void *w, void *y, int64_t m, int64_t n, int6
                 float out[VL];
                 vf s = sum_lanes(part[r]);
                 memcpy(out, &s, sizeof out);
-                store_row((char *)y + ((r0 + r) * n + g * VL) * xes, out, VL, x_bf16);
+                store_row((char *)y + ((r0 + r) * n + g * VL) * yes, out, VL, yes == 2);
             }
         }
     }

@@ -40,7 +40,7 @@ _SIGNATURES = {
                      ctypes.c_int],
     "paged_prompt": [_P, _P, _P, _P, _I, _I, _P, _I, _I, _I, _I, _D, ctypes.c_int,
                      ctypes.c_int],
-    "dense_gemm": [_P, _P, _P, _I, _I, _I, ctypes.c_int, ctypes.c_int],
+    "dense_gemm": [_P, _P, _P, _I, _I, _I, ctypes.c_int, ctypes.c_int, ctypes.c_int],
 }
 
 _lock = threading.Lock()
@@ -178,17 +178,19 @@ def paged_prompt(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return out
 
 
-def dense_mm(x: torch.Tensor, weight: torch.Tensor, lib=None) -> torch.Tensor | None:
-    """x [M, K] @ weight [N, K]^T -> [M, N] in x's dtype, each row computed on its own
-    (dense_gemm.h: an unquantized layer's generated rows). None: not here."""
+def dense_mm(x: torch.Tensor, weight: torch.Tensor, lib=None,
+             fp32_out: bool = False) -> torch.Tensor | None:
+    """x [M, K] @ weight [N, K]^T -> [M, N] in x's dtype (fp32 with `fp32_out`: logits), each
+    row computed on its own (dense_gemm.h: an unquantized layer's generated rows). None: not
+    here."""
     lib = lib or _lib()
     if (lib is None or x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]
             or not _fits(x, weight) or x.dtype not in _DTYPES or weight.dtype not in _DTYPES):
         return None
     (m, k), n = x.shape, weight.shape[0]
-    y = x.new_empty(m, n)
+    y = torch.empty(m, n, dtype=torch.float32 if fp32_out else x.dtype)
     if lib.dense_gemm(x.data_ptr(), weight.data_ptr(), y.data_ptr(), m, n, k,
-                      x.dtype == torch.bfloat16, weight.dtype == torch.bfloat16):
+                      x.dtype == torch.bfloat16, weight.dtype == torch.bfloat16, fp32_out):
         return None
     return y
 
@@ -225,6 +227,9 @@ def _check_dense(lib, dtype: torch.dtype, tol: float, g: torch.Generator) -> str
             return f"dense_mm {dtype} x {wdtype}"
         if not all(torch.equal(got[i:i + 1], dense_mm(x[i:i + 1], w, lib)) for i in range(11)):
             return f"dense_mm rows {dtype} x {wdtype}"
+        wide = dense_mm(x, w, lib, fp32_out=True)  # the same sums, rounded only to fp32
+        if wide is None or not torch.equal(wide.to(dtype), got):
+            return f"dense_mm fp32 out {dtype} x {wdtype}"
     return None
 
 

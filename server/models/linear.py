@@ -28,3 +28,13 @@ class Linear(nn.Linear):
     def _generated_mm(self, x2: torch.Tensor) -> torch.Tensor:
         y = layer_ops.dense_mm(x2.contiguous(), self.weight)
         return y if y is not None else tiled_mm(x2, self.weight.t(), GENERATED_TILE)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """As an LM head: fp32 [N, out], from dense_mm's fp32 sums where it takes the layer
+        (bf16 logits are 0.06-0.125 apart at a real model's magnitudes: near ties became ties),
+        else the bf16 product widened. The choice is the layer's, never the number of rows."""
+        if self.bias is None and x.dim() == 2:
+            y = layer_ops.dense_mm(x.contiguous(), self.weight, fp32_out=True)
+            if y is not None:
+                return y
+        return self(x).float()

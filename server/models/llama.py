@@ -237,6 +237,6 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] fp32 logits, for the rows that sample only."""
-        if hasattr(self.lm_head, "logits"):  # an int8 head that can skip rounding to bf16
+        if hasattr(self.lm_head, "logits"):  # a head that can skip rounding to bf16 (int8, dense)
             return self.lm_head.logits(hidden)
         return self.lm_head(hidden).float()

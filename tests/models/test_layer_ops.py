@@ -168,6 +168,20 @@ def test_unquantized_layers_generated_rows_take_dense_mm():
     assert torch.equal(layer(x[1:2]), want[1:2])
 
 
+def test_a_dense_lm_head_hands_over_fp32_logits():
+    """Not rounded to bf16 (0.06-0.125 apart at a real model's magnitudes): the sums as fp32,
+    which round to exactly the bf16 outputs, and the same for a row alone."""
+    from server.models.linear import Linear
+
+    head = Linear(192, 96, bias=False).to(torch.bfloat16)
+    x = torch.randn(5, 192).to(torch.bfloat16)
+    logits = head.logits(x)
+    assert logits.dtype == torch.float32
+    assert torch.equal(logits.to(torch.bfloat16), head(x))
+    assert not torch.equal(logits, head(x).float())
+    assert torch.equal(head.logits(x[2:3]), logits[2:3])
+
+
 def test_model_with_and_without_layer_ops_agree(monkeypatch):
     """fp32, a tiny random Llama: prompt logits within 1e-5 and the same greedy tokens."""
     ours = ours_from_hf(hf_model("llama", seed=3))
