@@ -8,6 +8,8 @@ the even column in the low nibble, the odd column in the high nibble.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -180,7 +182,7 @@ class Int4Linear(nn.Module):
     def _unpacker(self):
         """The checked helper if it takes this layer's shape, else None."""
         n, k = self.out_features, self.in_features
-        if n % 64 or self.kernel_weight.shape != (n, k // 2):
+        if n % 64 or self.kernel_weight.shape != (n, k // 2):  # 64: either layout's blocks
             return None
         return checked_unpack()
 
@@ -227,22 +229,31 @@ _checked: list = []
 
 
 def checked_unpack():
-    """The compiled unpack helper, once it has reproduced this PyTorch's own packing on a test
-    matrix (the CPU pack layout is PyTorch's internal business: if a release changes it, the
-    helper is not used); None otherwise."""
+    """The compiled unpack helper, (packed, scales_zeros, out, n, k, group, k0, k1) -> 0 on
+    success, once it has reproduced this PyTorch's own packing on a test matrix with one of the
+    block sizes it knows (the CPU pack layout is PyTorch's internal business: 64 outputs a block
+    where it runs AVX-512 kernels, 32 with AVX2 ones; if a release changes it, the helper is not
+    used); None otherwise."""
     if not _checked:
-        unpack = native.int4_unpack()
-        if unpack is not None:
+        fn, unpack = native.int4_unpack(), None
+        if fn is not None:
             n, k, group = 128, 64, 32
             q, scale, zero, packed, sz = _random_cpu_int4(n, k, group, seed=0)
-            out = torch.empty(k, n, dtype=KERNEL_DTYPE)
             want = dequantize_int4(q, scale, zero, group).to(KERNEL_DTYPE).t()
-            if (packed.shape != (n, k // 2) or unpack(packed.data_ptr(), sz.data_ptr(),
-                                                      out.data_ptr(), n, k, group, 0, k)
-                    or not torch.equal(out, want)):
-                unpack = None
+            for block in (64, 32):
+                out = torch.empty(k, n, dtype=KERNEL_DTYPE)
+                if (packed.shape == (n, k // 2) and not fn(packed.data_ptr(), sz.data_ptr(),
+                                                           out.data_ptr(), n, k, group, 0, k,
+                                                           block)
+                        and torch.equal(out, want)):
+                    unpack = functools.partial(_unpack_blocks, fn, block)
+                    break
         _checked.append(unpack)
     return _checked[0]
+
+
+def _unpack_blocks(fn, block: int, *args: int) -> int:
+    return fn(*args, block)
 
 
 def pack_int4_kernel(q: torch.Tensor) -> torch.Tensor:

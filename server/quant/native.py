@@ -34,7 +34,7 @@ _libraries: dict[Path, ctypes.CDLL | None] = {}
 
 
 def int4_unpack() -> Callable[..., int] | None:
-    """int4pack_to_bf16_t(packed, scales_zeros, out, n, k, group, k0, k1) -> 0 on success
+    """int4pack_to_bf16_t(packed, scales_zeros, out, n, k, group, k0, k1, block) -> 0 on success
     (pointers as ints), or None when no compiled helper is available."""
     with _lock:
         if "int4" not in _loaded:
@@ -67,7 +67,7 @@ def _load() -> Callable[..., int] | None:
         return None
     fn = lib.int4pack_to_bf16_t
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5
+    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 6
     return fn
 
 

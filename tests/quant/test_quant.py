@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import os
 
 import pytest
 import torch
@@ -374,6 +375,22 @@ def test_a_helper_is_rebuilt_when_a_header_it_includes_changes(tmp_path, monkeyp
     (tmp_path / "part.h").write_text("int answer(void) { return 2; }\n")
     second = native._build(source)
     assert second != first and ctypes.CDLL(str(second)).answer() == 2
+
+
+@pytest.mark.skipif(not {"avx2", "fma"} <= FLAGS, reason="PyTorch's AVX2 kernels need AVX2")
+def test_the_unpack_helper_reads_pytorchs_pack_on_avx2_cpus_too():
+    """PyTorch packs int4 for its CPU kernels in blocks of 64 outputs under AVX-512 and of 32
+    under AVX2 (an AVX2-only machine's layout); the helper passes its check with either: a
+    second process held to AVX2 kernels, with the machine's own compiler."""
+    import subprocess
+    import sys
+
+    code = ("import torch; from server.quant import int4; "
+            "print(torch.backends.cpu.get_cpu_capability(), int4.checked_unpack() is not None)")
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == ["AVX2", "True"]
 
 
 @pytest.mark.parametrize("cc", ["/nonexistent/cc", "false"])
