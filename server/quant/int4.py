@@ -127,9 +127,12 @@ class Int4Linear(nn.Module):
         self.weight = self.weight_scale = self.weight_zero = None
 
     def forward(self, x: torch.Tensor, rows: RowSplit | None = None) -> torch.Tensor:
-        if (self.q4x32 is not None and not cpu_gemm.PROMPTS_UNPACKED and x.dim() == 2
-                and (x.dtype == KERNEL_DTYPE
-                     or (x.dtype == torch.float32 and cpu_gemm.takes_fp32()))):
+        # Our kernels take fp32 activations as they are where they compute in fp32 (avx2_gemm.c),
+        # so rows that take the kernel are never rounded to bf16, AMX machines included.
+        as_is = x.dtype == KERNEL_DTYPE or (x.dtype == torch.float32 and cpu_gemm.takes_fp32())
+        kernel_rows = not cpu_gemm.PROMPTS_UNPACKED or (
+            rows.prompt is None if rows is not None else x.shape[0] < UNPACK_MIN_ROWS)
+        if self.q4x32 is not None and x.dim() == 2 and as_is and kernel_rows:
             y = self._kernel(x)  # every row takes the kernel: the short way
             return y if self.bias is None else y + self.bias
         if self.kernel_weight is not None or self.q4x32 is not None:
