@@ -1,4 +1,5 @@
-"""Our CPU kernels for int4 and int8 layers: avx512_gemm.c on AVX-512 BF16 CPUs (vdpbf16ps),
+"""Our CPU kernels for int4 and int8 layers: amx_gemm.c on CPUs with AMX (tile products for the
+sums, avx512_gemm.c's code around them), avx512_gemm.c on AVX-512 BF16 CPUs (vdpbf16ps),
 avx2_gemm.c on AVX2 + FMA ones (vpmaddwd, activations as int16 per group); the same functions
 and layouts.
 
@@ -28,12 +29,15 @@ import server.quant.native as native
 
 log = logging.getLogger("localserve")
 
-SOURCES = {"avx512_bf16": Path(__file__).with_name("avx512_gemm.c"),
+SOURCES = {"amx": Path(__file__).with_name("amx_gemm.c"),
+           "avx512_bf16": Path(__file__).with_name("avx512_gemm.c"),
            "avx2": Path(__file__).with_name("avx2_gemm.c")}
 
 
 def kind_for(flags: set[str]) -> str | None:
     """The kernels a CPU with these flags takes (None: PyTorch's)."""
+    if {"avx512_bf16", "avx512bw", "amx_bf16", "amx_tile"} <= flags:
+        return "amx"
     if {"avx512_bf16", "avx512bw"} <= flags:
         return "avx512_bf16"
     if {"avx2", "fma", "f16c"} <= flags:
@@ -42,9 +46,9 @@ def kind_for(flags: set[str]) -> str | None:
 
 
 def _kind() -> str | None:
-    """This machine's kind, or the one LOCALSERVE_CPU_KERNELS names (`avx2` on an AVX-512
-    machine, `torch` for PyTorch's kernels: for comparisons; one the CPU lacks is ignored, with
-    a warning)."""
+    """This machine's kind, or the one LOCALSERVE_CPU_KERNELS names (`avx512_bf16` or `avx2` on
+    an AMX machine, `torch` for PyTorch's kernels: for comparisons; one the CPU lacks is
+    ignored, with a warning)."""
     best = kind_for(native.cpu_flags())
     asked = os.environ.get("LOCALSERVE_CPU_KERNELS")
     if not asked:
@@ -186,9 +190,12 @@ def unpack_t(packed: torch.Tensor, group: int, out: torch.Tensor,
 
 
 def checked():
-    """This machine's library if it is built and passed the checks, else None."""
+    """This machine's library if it is built and passed the checks, else the next kind's that
+    did (amx_gemm.c without the kernel's permission for AMX: avx512_gemm.c), else None."""
     if not _state:
-        lib = of_kind(KIND) if KIND is not None else None
+        order = list(SOURCES)
+        kinds = order[order.index(KIND):] if KIND is not None else []
+        lib = next(filter(None, map(of_kind, kinds)), None)
         with _lock:
             if not _state:
                 _state.append(lib)
@@ -242,13 +249,13 @@ def _self_check(lib) -> str | None:
         unpacked = unpack_t(layout, group, torch.empty(k, n, dtype=torch.bfloat16), lib)
         if unpacked is None or not torch.equal(unpacked, w.to(torch.bfloat16).t()):
             return "unpack"
-        x = torch.randn(11, k, generator=g).to(torch.bfloat16)
+        x = torch.randn(37, k, generator=g).to(torch.bfloat16)  # amx_gemm.c: 3 row tiles
         y = gemm(x, layout, group, lib)
         want = x.float() @ w.t()
         if y is None or not torch.allclose(y.float(), want, rtol=2e-2, atol=2e-2 * want.std()):
             return "gemm"
         if not all(torch.equal(y[i:i + 1], gemm(x[i:i + 1], layout, group, lib))
-                   for i in range(11)):
+                   for i in range(37)):
             return "rows"
     q = torch.randint(-127, 128, (96, 320), generator=g, dtype=torch.int8)
     scale = torch.rand(96, generator=g) / 100
@@ -257,12 +264,12 @@ def _self_check(lib) -> str | None:
     unpack_int8_into(layout, scale.bfloat16(), unpacked)
     if not torch.equal(unpacked, (q.bfloat16() * scale.bfloat16()[:, None])):
         return "int8 unpack"
-    x = torch.randn(11, 320, generator=g).to(torch.bfloat16)
+    x = torch.randn(37, 320, generator=g).to(torch.bfloat16)
     y = gemm_int8(x, layout, scale, lib)
     want = x.float() @ (q.float() * scale[:, None]).t()
     if y is None or not torch.allclose(y.float(), want, rtol=2e-2, atol=2e-2 * want.std()):
         return "int8 gemm"
     if not all(torch.equal(y[i:i + 1], gemm_int8(x[i:i + 1], layout, scale, lib))
-               for i in range(11)):
+               for i in range(37)):
         return "int8 rows"
     return None

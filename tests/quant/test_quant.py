@@ -114,16 +114,18 @@ def test_int4_kernel_matches_reference(rows):
 
 
 FLAGS = cpu_flags()
-# The kernels this CPU can run: its own kind and those below it (an AVX-512 machine runs
-# avx2_gemm.c too, so the AVX2 kernels are tested wherever CI runs).
-KERNEL_KINDS = [k for k, need in (("avx512_bf16", {"avx512_bf16", "avx512bw"}),
-                                  ("avx2", {"avx2", "fma", "f16c"})) if need <= FLAGS]
+# The kernels this CPU can run: its own kind and those below it (an AMX machine runs
+# avx512_gemm.c and avx2_gemm.c too, so the kernels below are tested wherever CI runs).
+KERNEL_KINDS = [k for k, need in (
+    ("amx", {"avx512_bf16", "avx512bw", "amx_bf16", "amx_tile"}),
+    ("avx512_bf16", {"avx512_bf16", "avx512bw"}),
+    ("avx2", {"avx2", "fma", "f16c"})) if need <= FLAGS]
 
 
 def test_our_kernels_serve_every_cpu_with_avx2_or_avx512_bf16():
     """With a C compiler (the project's machines and CI have one) the kernels of the CPU's kind
-    are built and pass their check: avx512_gemm.c with AVX-512 BF16, avx2_gemm.c with AVX2 + FMA
-    only; PyTorch's elsewhere."""
+    are built and pass their check: amx_gemm.c with AMX, avx512_gemm.c with AVX-512 BF16,
+    avx2_gemm.c with AVX2 + FMA only; PyTorch's elsewhere."""
     from server.quant import cpu_gemm
 
     assert (KERNEL_KINDS[0] if KERNEL_KINDS else None) == cpu_gemm.kind_for(FLAGS)
@@ -142,11 +144,16 @@ def test_the_kernel_kind_follows_the_cpu_and_can_be_forced_down_only(monkeypatch
     from server.quant import cpu_gemm, native
 
     avx512 = {"avx2", "fma", "f16c", "avx512_bf16", "avx512bw"}
+    assert cpu_gemm.kind_for(avx512 | {"amx_bf16", "amx_tile"}) == "amx"
     assert cpu_gemm.kind_for(avx512) == "avx512_bf16"
     assert cpu_gemm.kind_for({"avx2", "fma", "f16c"}) == "avx2"
     assert cpu_gemm.kind_for({"avx", "sse4_2"}) is None
     monkeypatch.setattr(native, "cpu_flags", lambda: avx512)
     for asked, kind in (("", "avx512_bf16"), ("avx2", "avx2"), ("torch", None)):
+        monkeypatch.setenv("LOCALSERVE_CPU_KERNELS", asked)
+        assert cpu_gemm._kind() == kind
+    monkeypatch.setattr(native, "cpu_flags", lambda: avx512 | {"amx_bf16", "amx_tile"})
+    for asked, kind in (("", "amx"), ("avx512_bf16", "avx512_bf16"), ("avx2", "avx2")):
         monkeypatch.setenv("LOCALSERVE_CPU_KERNELS", asked)
         assert cpu_gemm._kind() == kind
     monkeypatch.setattr(native, "cpu_flags", lambda: {"avx2", "fma", "f16c"})

@@ -1,0 +1,273 @@
+/* int4 and int8 weights times bf16 activations with AMX tiles (Intel Sapphire Rapids on):
+ * the same functions, layouts and arithmetic per group as avx512_gemm.c (included below), with
+ * the products summed by TDPBF16PS instead of VDPBF16PS.
+ *
+ * avx512_gemm.c spends 2 VDPBF16PS per row for every pair of inputs and 32 outputs, so from a
+ * few rows on it is compute-bound (1536 x 576 at 32 rows: ~3x oneDNN's AMX GEMM). Here a block
+ * of 32 outputs unpacks its nibbles to bf16 once per chunk of 32 inputs, exactly as there (q - 8
+ * through one vpermw lookup), into two B tiles (16 input pairs x 16 outputs, which is the
+ * layout's own order), and one TDPBF16PS takes 16 rows x 16 outputs x 32 inputs.
+ *
+ * int4: per group the tiles hold sum_k x * (q - 8) (products exact in fp32); they are stored
+ * and every row adds scale * that + zero * sum_k x in fp32 in avx512_gemm.c's order, so the
+ * weights are never rounded. int8: the tiles sum over every input, times the row scale at the
+ * end. Groups and input widths must be multiples of 32 (one tile's depth); other layers take
+ * avx512_gemm.c's kernels, whatever the row count.
+ *
+ * Batch invariance: a tile row's sums depend on that row of x and the weights only, and every
+ * row of a call takes the same instructions whatever the row count (rows are padded with zeros
+ * to whole tiles; tile rows past the call's are never read back).
+ *
+ * The kernel needs the process's permission for AMX state (Linux's arch_prctl
+ * ARCH_REQ_XCOMP_PERM); amx_gemm_available() asks once and returns 0 where it is refused or the
+ * compiler lacks AMX: the caller then takes avx512_gemm.c.
+ */
+#define int4_gemm int4_gemm_avx512
+#define int8_gemm int8_gemm_avx512
+#define avx512_gemm_available avx512_gemm_available_here
+#include "avx512_gemm.c"
+#undef int4_gemm
+#undef int8_gemm
+#undef avx512_gemm_available
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AMX_TILE__) \
+    && defined(__AMX_BF16__) && defined(__linux__)
+#include <stdlib.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+/* Tiles: 0-3 sums (row tile t, output half h at 2t + h), 4-5 rows of x, 6-7 weights. */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+static void configure_tiles(void) {
+    tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        c.colsb[t] = 64;
+        c.rows[t] = 16;
+    }
+    _tile_loadconfig(&c);
+}
+
+/* gcc's _tile_loadd is an asm statement that names no memory: without this barrier the stores
+ * of the weights it loads are dropped or moved past it. */
+#define tile_load(t, base, stride) \
+    do { __asm__ volatile("" ::: "memory"); _tile_loadd(t, base, stride); } while (0)
+
+#define CHUNK 32  /* inputs per tile product */
+#define TILE_ROWS 16
+
+/* x [m, k] bf16 -> [ceil(m / 16) * 16, k], zero rows after m (whole A tiles to load). */
+static uint16_t *padded_rows(const uint16_t *x, int64_t m, int64_t k) {
+    int64_t rows = (m + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS;
+    uint16_t *p = aligned_alloc(64, (size_t)((rows * k * 2 + 63) / 64 * 64));
+    if (!p) return NULL;
+    memcpy(p, x, (size_t)(m * k * 2));
+    memset(p + m * k, 0, (size_t)((rows - m) * k * 2));
+    return p;
+}
+
+/* One chunk of 32 inputs for rows [0, 16 * tiles) of xp (row stride k), weights already in
+ * tiles 6 and 7: sums into tiles 0-3. */
+static inline void chunk_products(const uint16_t *xp, int64_t k, int tiles) {
+    tile_load(4, xp, k * 2);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if (tiles == 2) {
+        tile_load(5, xp + TILE_ROWS * k, k * 2);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+}
+
+static inline void store_sums(float (*sums)[TILE_ROWS][16], int tiles) {
+    _tile_stored(0, sums[0], 64);
+    _tile_stored(1, sums[1], 64);
+    if (tiles == 2) {
+        _tile_stored(2, sums[2], 64);
+        _tile_stored(3, sums[3], 64);
+    }
+}
+
+static inline void zero_sums(void) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+}
+
+/* Rows [0, r) (r <= 32) of xp against one block of 32 outputs of the int4 layout. */
+static void block_amx(const uint16_t *xp, int64_t k, const float *xsum, int64_t groups,
+                      int64_t group, const uint8_t *blk, uint16_t *y, int64_t n, int r,
+                      __m512i table) {
+    __attribute__((aligned(64))) uint16_t w[2][TILE_ROWS][32];
+    __attribute__((aligned(64))) float sums[4][TILE_ROWS][16];
+    __m512 acc[32][2];
+    const __m512i low = _mm512_set1_epi16(0x0F);
+    const int tiles = r > TILE_ROWS ? 2 : 1;
+    for (int i = 0; i < r; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+    zero_sums();
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *head = blk + g * group_bytes(group), *pk = head + GROUP_HEAD;
+        for (int64_t c = 0; c < group; c += CHUNK) {
+            for (int p = 0; p < TILE_ROWS; p++) {
+                __m512i v = _mm512_cvtepu8_epi16(
+                    _mm256_loadu_si256((const __m256i *)(pk + (c / 2 + p) * 32)));
+                _mm512_store_si512(w[0][p], _mm512_permutexvar_epi16(
+                    _mm512_and_si512(v, low), table));
+                _mm512_store_si512(w[1][p], _mm512_permutexvar_epi16(
+                    _mm512_srli_epi16(v, 4), table));
+            }
+            tile_load(6, w[0], 64);
+            tile_load(7, w[1], 64);
+            chunk_products(xp + g * group + c, k, tiles);
+        }
+        store_sums(sums, tiles);
+        zero_sums();
+        const __m512 s0 = half16(head), s1 = half16(head + 32);
+        const __m512 z0 = half16(head + 64), z1 = half16(head + 96);
+        for (int i = 0; i < r; i++) {
+            const int t = i / TILE_ROWS, row = i % TILE_ROWS;
+            __m512 xs = _mm512_set1_ps(xsum[i * groups + g]);
+            __m512 a0 = _mm512_load_ps(sums[2 * t][row]), a1 = _mm512_load_ps(sums[2 * t + 1][row]);
+            acc[i][0] = _mm512_add_ps(_mm512_add_ps(acc[i][0], _mm512_mul_ps(a0, s0)),
+                                      _mm512_mul_ps(xs, z0));
+            acc[i][1] = _mm512_add_ps(_mm512_add_ps(acc[i][1], _mm512_mul_ps(a1, s1)),
+                                      _mm512_mul_ps(xs, z1));
+        }
+    }
+    for (int i = 0; i < r; i++) {
+        store_bf16(y + i * n, acc[i][0]);
+        store_bf16(y + i * n + 16, acc[i][1]);
+    }
+}
+
+static int amx_state = -1;  /* -1 not asked yet, 0 refused, 1 granted */
+
+int amx_gemm_available(void) {
+    if (amx_state < 0)
+        amx_state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return amx_state;
+}
+
+/* As avx512_gemm.c's int4_gemm (same arguments and results but for the order of the sums). */
+int int4_gemm(const uint16_t *x, const uint8_t *packed, uint16_t *y, float *xsum, int64_t m,
+              int64_t n, int64_t k, int64_t group) {
+    if (amx_state != 1 || group % CHUNK)
+        return amx_state == 1 ? int4_gemm_avx512(x, packed, y, xsum, m, n, k, group) : 1;
+    if (n % 32 || k % group) return 1;
+    int64_t groups = k / group, blocks = n / 32;
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t g = 0; g < groups; g++) {
+            float s = 0.0f;
+            for (int64_t j = g * group; j < (g + 1) * group; j++)
+                s = s + bf16_to_float(x[i * k + j]);
+            xsum[i * groups + g] = s;
+        }
+    uint16_t *xp = padded_rows(x, m, k);
+    if (!xp) return 1;
+    uint16_t t[32];
+    for (int v = 0; v < 32; v++) t[v] = float_to_bf16((float)(v & 15) - 8.0f);
+    __m512i table;
+    memcpy(&table, t, sizeof table);
+    #pragma omp parallel if (blocks >= 4)
+    {
+        configure_tiles();
+        #pragma omp for schedule(static)
+        for (int64_t b = 0; b < blocks; b++) {
+            const uint8_t *blk = packed + b * groups * group_bytes(group);
+            for (int64_t i = 0; i < m; i += 2 * TILE_ROWS) {
+                int r = m - i < 2 * TILE_ROWS ? (int)(m - i) : 2 * TILE_ROWS;
+                block_amx(xp + i * k, k, xsum + i * groups, groups, group, blk,
+                          y + i * n + b * 32, n, r, table);
+            }
+        }
+        _tile_release();
+    }
+    free(xp);
+    return 0;
+}
+
+/* Rows [0, r) (r <= 32) of xp against one block of 32 outputs of the int8 layout. */
+static void block8_amx(const uint16_t *xp, int64_t k, const int8_t *blk, const float *scale,
+                       void *y, int64_t n, int r, int out_fp32) {
+    __attribute__((aligned(64))) uint16_t w[2][TILE_ROWS][32];
+    __attribute__((aligned(64))) float sums[4][TILE_ROWS][16];
+    const int tiles = r > TILE_ROWS ? 2 : 1;
+    zero_sums();
+    for (int64_t c = 0; c < k; c += CHUNK) {
+        for (int p = 0; p < TILE_ROWS; p++) {
+            const int8_t *pair = blk + (c / 2 + p) * 64;
+            _mm512_store_si512(w[0][p], int8_pairs(pair));
+            _mm512_store_si512(w[1][p], int8_pairs(pair + 32));
+        }
+        tile_load(6, w[0], 64);
+        tile_load(7, w[1], 64);
+        chunk_products(xp + c, k, tiles);
+    }
+    store_sums(sums, tiles);
+    const __m512 s0 = _mm512_loadu_ps(scale), s1 = _mm512_loadu_ps(scale + 16);
+    for (int i = 0; i < r; i++) {
+        const int t = i / TILE_ROWS, row = i % TILE_ROWS;
+        __m512 v0 = _mm512_mul_ps(_mm512_load_ps(sums[2 * t][row]), s0);
+        __m512 v1 = _mm512_mul_ps(_mm512_load_ps(sums[2 * t + 1][row]), s1);
+        if (out_fp32) {
+            _mm512_storeu_ps((float *)y + i * n, v0);
+            _mm512_storeu_ps((float *)y + i * n + 16, v1);
+        } else {
+            store_bf16((uint16_t *)y + i * n, v0);
+            store_bf16((uint16_t *)y + i * n + 16, v1);
+        }
+    }
+}
+
+/* As avx512_gemm.c's int8_gemm. */
+int int8_gemm(const uint16_t *x, const int8_t *packed, const float *scale, void *y, int64_t m,
+              int64_t n, int64_t k, int out_fp32) {
+    if (amx_state != 1 || k % CHUNK)
+        return amx_state == 1 ? int8_gemm_avx512(x, packed, scale, y, m, n, k, out_fp32) : 1;
+    if (n % 32) return 1;
+    int64_t blocks = n / 32;
+    uint16_t *xp = padded_rows(x, m, k);
+    if (!xp) return 1;
+    #pragma omp parallel if (blocks >= 4)
+    {
+        configure_tiles();
+        #pragma omp for schedule(static)
+        for (int64_t b = 0; b < blocks; b++) {
+            const int8_t *blk = packed + b * k * 32;
+            for (int64_t i = 0; i < m; i += 2 * TILE_ROWS) {
+                int r = m - i < 2 * TILE_ROWS ? (int)(m - i) : 2 * TILE_ROWS;
+                char *yi = (char *)y + (i * n + b * 32) * (out_fp32 ? 4 : 2);
+                block8_amx(xp + i * k, k, blk, scale + b * 32, yi, n, r, out_fp32);
+            }
+        }
+        _tile_release();
+    }
+    free(xp);
+    return 0;
+}
+
+#else
+
+int amx_gemm_available(void) { return 0; }
+
+int int4_gemm(const void *x, const void *packed, void *y, void *xsum, int64_t m, int64_t n,
+              int64_t k, int64_t group) {
+    return 1;
+}
+
+int int8_gemm(const void *x, const void *packed, const void *scale, void *y, int64_t m,
+              int64_t n, int64_t k, int out_fp32) {
+    return 1;
+}
+
+#endif
