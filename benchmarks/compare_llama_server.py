@@ -9,8 +9,8 @@ GGUF that `localserve pull smollm2-135m` starts from (out of the cached llm-smol
 written and pulled on first use). llama-server runs with `-t 2 --parallel 16 -c 32768 --jinja`
 (more context for prompts that would not fit a slot).
 A roofline row gives the tokens/s that reading the weights once per step at the machine's
-measured bandwidth allows. Writes benchmarks/results/compare-SHAPE.{json,md,png} and the table
-between the compare-SHAPE markers of benchmarks/RESULTS.md.
+measured bandwidth allows. Writes benchmarks/results/compare-SHAPE-KIND.{json,md,png} and the table
+between the compare-SHAPE-KIND markers (KIND: amx, avx512 or avx2) of benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -233,12 +233,12 @@ def main() -> None:
     args = ap.parse_args()
     RESULTS.mkdir(exist_ok=True)
     def out(ext: str) -> Path:  # not with_suffix: the shape "1.7b" has a dot of its own
-        return RESULTS / f"compare-{args.shape}{ext}"
+        return RESULTS / f"compare-{args.shape}-{machine_kind()}{ext}"
 
     if args.from_json:
         run = json.loads(out(".json").read_text())
     else:
-        run = {"machine": machine(), "date": time.strftime("%Y-%m-%d"),
+        run = {"machine": machine(), "kind": machine_kind(), "date": time.strftime("%Y-%m-%d"),
                "command": " ".join(sys.argv[1:]), "reports": run_all(args)}
         out(".json").write_text(json.dumps(run, indent=2))
     md = table(run["reports"])
@@ -262,19 +262,36 @@ def run_all(args: argparse.Namespace) -> list[dict]:
     return [r | {"bandwidth": bandwidth} for r in reports]
 
 
+def machine_kind() -> str:
+    """The kind of CPU a table is for (RESULTS.md keeps one table per shape and kind)."""
+    has = set()
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                has = set(line.partition(":")[2].split())
+                break
+    return "amx" if "amx_tile" in has else "avx512" if "avx512_bf16" in has else "avx2"
+
+
 def write_results(md: str, run: dict, shape: str) -> None:
-    """Replace the table between the compare-SHAPE markers of benchmarks/RESULTS.md."""
+    """Replace the table between the compare-SHAPE-KIND markers of benchmarks/RESULTS.md (KIND:
+    this machine's, machine_kind), or add them after another kind's table of the shape."""
     readme = Path(__file__).parent / "RESULTS.md"
     text = readme.read_text()
-    start, end = f"<!-- compare-{shape}:start -->", f"<!-- compare-{shape}:end -->"
-    if start not in text or end not in text:
-        return
-    head, rest = text.split(start, 1)
-    _, tail = rest.split(end, 1)
+    kind = run.get("kind") or machine_kind()
+    start, end = f"<!-- compare-{shape}-{kind}:start -->", f"<!-- compare-{shape}-{kind}:end -->"
     bandwidth = run["reports"][0]["bandwidth"] / 1e9
     command = re.sub(r"--llama-server \S+", "--llama-server BIN", run["command"])
     note = (f"\n`benchmarks/compare_llama_server.py {command}`, {run['date']}, "
             f"{run['machine']}, read bandwidth {bandwidth:.1f} GB/s:\n\n")
+    if start not in text or end not in text:
+        other = re.search(rf"<!-- compare-{re.escape(shape)}-\w+:end -->\n", text)
+        if other is None:
+            print(f"RESULTS.md has no compare-{shape}-* markers: not written")
+            return
+        text = (text[:other.end()] + f"\n{start}\n{end}\n" + text[other.end():])
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
     readme.write_text(head + start + note + md + end + tail)
 
 

@@ -46,13 +46,15 @@ typedef struct {
     uint8_t rows[16];
 } tile_config;
 
-static void configure_tiles(void) {
+/* A call of m <= 16 rows sets the x and sum tiles to m rows (fewer rows to load, multiply
+ * and store: 1.2x at one row); a row's sums are the same either way. */
+static void configure_tiles(int64_t m) {
     tile_config c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
     for (int t = 0; t < 8; t++) {
         c.colsb[t] = 64;
-        c.rows[t] = 16;
+        c.rows[t] = t < 6 && m < 16 ? (uint8_t)m : 16;
     }
     _tile_loadconfig(&c);
 }
@@ -104,46 +106,70 @@ static inline void zero_sums(void) {
     _tile_zero(3);
 }
 
-/* Rows [0, r) (r <= 32) of xp against one block of 32 outputs of the int4 layout. */
-static void block_amx(const uint16_t *xp, int64_t k, const float *xsum, int64_t groups,
-                      int64_t group, const uint8_t *blk, uint16_t *y, int64_t n, int r,
-                      __m512i table) {
-    __attribute__((aligned(64))) uint16_t w[2][TILE_ROWS][32];
-    __attribute__((aligned(64))) float sums[4][TILE_ROWS][16];
-    __m512 acc[32][2];
+/* The nibbles of one chunk of 32 inputs x 32 outputs as q - 8 in bf16: two B tiles (outputs
+ * 0-15, then 16-31), each 16 input pairs x 16 outputs x 2. */
+static inline void unpack_chunk(const uint8_t *pk, __m512i table, uint16_t (*w)[TILE_ROWS][32]) {
     const __m512i low = _mm512_set1_epi16(0x0F);
+    for (int p = 0; p < TILE_ROWS; p++) {
+        __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(pk + p * 32)));
+        _mm512_store_si512(w[0][p], _mm512_permutexvar_epi16(_mm512_and_si512(v, low), table));
+        _mm512_store_si512(w[1][p], _mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), table));
+    }
+}
+
+/* acc[i] += scale * sums + zero * x's group sum, for rows [0, r) of one group. */
+static inline void scale_group(__m512 (*acc)[2], float (*sums)[TILE_ROWS][16],
+                               const uint8_t *head, const float *xsum, int64_t groups, int r) {
+    const __m512 s0 = half16(head), s1 = half16(head + 32);
+    const __m512 z0 = half16(head + 64), z1 = half16(head + 96);
+    for (int i = 0; i < r; i++) {
+        const int t = i / TILE_ROWS, row = i % TILE_ROWS;
+        __m512 xs = _mm512_set1_ps(xsum[i * groups]);
+        __m512 a0 = _mm512_load_ps(sums[2 * t][row]), a1 = _mm512_load_ps(sums[2 * t + 1][row]);
+        acc[i][0] = _mm512_add_ps(_mm512_add_ps(acc[i][0], _mm512_mul_ps(a0, s0)),
+                                  _mm512_mul_ps(xs, z0));
+        acc[i][1] = _mm512_add_ps(_mm512_add_ps(acc[i][1], _mm512_mul_ps(a1, s1)),
+                                  _mm512_mul_ps(xs, z1));
+    }
+}
+
+/* Rows [0, r) (r <= 32) of xp against one block of 32 outputs of the int4 layout; `unpacked`:
+ * the block's chunks already unpacked in order (calls of more than 32 rows unpack once), or
+ * NULL. A group's sums are scaled one group later, so that the tiles' stores are done by
+ * then (the order of every row's arithmetic is the same). */
+static void block_amx(const uint16_t *xp, int64_t k, const float *xsum, int64_t groups,
+                      int64_t group, const uint8_t *blk, const uint16_t *unpacked, uint16_t *y,
+                      int64_t n, int r, __m512i table) {
+    __attribute__((aligned(64))) uint16_t w[2][2][TILE_ROWS][32];
+    __attribute__((aligned(64))) float sums[2][4][TILE_ROWS][16];
+    __m512 acc[32][2];
     const int tiles = r > TILE_ROWS ? 2 : 1;
     for (int i = 0; i < r; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
     zero_sums();
     for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *head = blk + g * group_bytes(group), *pk = head + GROUP_HEAD;
+        const uint8_t *pk = blk + g * group_bytes(group) + GROUP_HEAD;
         for (int64_t c = 0; c < group; c += CHUNK) {
-            for (int p = 0; p < TILE_ROWS; p++) {
-                __m512i v = _mm512_cvtepu8_epi16(
-                    _mm256_loadu_si256((const __m256i *)(pk + (c / 2 + p) * 32)));
-                _mm512_store_si512(w[0][p], _mm512_permutexvar_epi16(
-                    _mm512_and_si512(v, low), table));
-                _mm512_store_si512(w[1][p], _mm512_permutexvar_epi16(
-                    _mm512_srli_epi16(v, 4), table));
+            if (unpacked) {
+                const uint16_t *u = unpacked + (g * group + c) / CHUNK * 2 * TILE_ROWS * 32;
+                tile_load(6, u, 64);
+                tile_load(7, u + TILE_ROWS * 32, 64);
+            } else {
+                uint16_t (*wc)[TILE_ROWS][32] = w[(g * group + c) / CHUNK % 2];
+                unpack_chunk(pk + c / 2 * 32, table, wc);
+                tile_load(6, wc[0], 64);
+                tile_load(7, wc[1], 64);
             }
-            tile_load(6, w[0], 64);
-            tile_load(7, w[1], 64);
             chunk_products(xp + g * group + c, k, tiles);
         }
-        store_sums(sums, tiles);
+        store_sums(sums[g % 2], tiles);
         zero_sums();
-        const __m512 s0 = half16(head), s1 = half16(head + 32);
-        const __m512 z0 = half16(head + 64), z1 = half16(head + 96);
-        for (int i = 0; i < r; i++) {
-            const int t = i / TILE_ROWS, row = i % TILE_ROWS;
-            __m512 xs = _mm512_set1_ps(xsum[i * groups + g]);
-            __m512 a0 = _mm512_load_ps(sums[2 * t][row]), a1 = _mm512_load_ps(sums[2 * t + 1][row]);
-            acc[i][0] = _mm512_add_ps(_mm512_add_ps(acc[i][0], _mm512_mul_ps(a0, s0)),
-                                      _mm512_mul_ps(xs, z0));
-            acc[i][1] = _mm512_add_ps(_mm512_add_ps(acc[i][1], _mm512_mul_ps(a1, s1)),
-                                      _mm512_mul_ps(xs, z1));
-        }
+        if (g > 0)
+            scale_group(acc, sums[(g - 1) % 2], blk + (g - 1) * group_bytes(group),
+                        xsum + g - 1, groups, r);
     }
+    __asm__ volatile("" ::: "memory");
+    scale_group(acc, sums[(groups - 1) % 2], blk + (groups - 1) * group_bytes(group),
+                xsum + groups - 1, groups, r);
     for (int i = 0; i < r; i++) {
         store_bf16(y + i * n, acc[i][0]);
         store_bf16(y + i * n + 16, acc[i][1]);
@@ -178,22 +204,37 @@ int int4_gemm(const uint16_t *x, const uint8_t *packed, uint16_t *y, float *xsum
     for (int v = 0; v < 32; v++) t[v] = float_to_bf16((float)(v & 15) - 8.0f);
     __m512i table;
     memcpy(&table, t, sizeof table);
-    #pragma omp parallel if (blocks >= 4)
+    int failed = 0;
+    #pragma omp parallel if (blocks >= 4) reduction(|:failed)
     {
-        configure_tiles();
+        /* More than 32 rows: each block's chunks are unpacked once, for every 32 rows. */
+        uint16_t *unpacked = NULL;
+        if (m > 2 * TILE_ROWS) {
+            unpacked = aligned_alloc(64, (size_t)(k / CHUNK * 2 * TILE_ROWS * 64));
+            failed = unpacked == NULL;
+        }
+        configure_tiles(m);
         #pragma omp for schedule(static)
         for (int64_t b = 0; b < blocks; b++) {
             const uint8_t *blk = packed + b * groups * group_bytes(group);
+            if (failed) continue;
+            if (unpacked)
+                for (int64_t c = 0; c < k; c += CHUNK) {
+                    const uint8_t *pk = blk + c / group * group_bytes(group) + GROUP_HEAD;
+                    uint16_t *u = unpacked + c / CHUNK * 2 * TILE_ROWS * 32;
+                    unpack_chunk(pk + c % group / 2 * 32, table, (uint16_t (*)[TILE_ROWS][32])u);
+                }
             for (int64_t i = 0; i < m; i += 2 * TILE_ROWS) {
                 int r = m - i < 2 * TILE_ROWS ? (int)(m - i) : 2 * TILE_ROWS;
-                block_amx(xp + i * k, k, xsum + i * groups, groups, group, blk,
+                block_amx(xp + i * k, k, xsum + i * groups, groups, group, blk, unpacked,
                           y + i * n + b * 32, n, r, table);
             }
         }
         _tile_release();
+        free(unpacked);
     }
     free(xp);
-    return 0;
+    return failed;
 }
 
 /* Rows [0, r) (r <= 32) of xp against one block of 32 outputs of the int8 layout. */
@@ -240,7 +281,7 @@ int int8_gemm(const uint16_t *x, const int8_t *packed, const float *scale, void 
     if (!xp) return 1;
     #pragma omp parallel if (blocks >= 4)
     {
-        configure_tiles();
+        configure_tiles(m);
         #pragma omp for schedule(static)
         for (int64_t b = 0; b < blocks; b++) {
             const int8_t *blk = packed + b * k * 32;

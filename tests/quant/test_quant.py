@@ -162,6 +162,19 @@ def test_the_kernel_kind_follows_the_cpu_and_can_be_forced_down_only(monkeypatch
     assert "ignored" in caplog.text
 
 
+@pytest.mark.skipif(len(KERNEL_KINDS) < 2, reason="needs a CPU that runs two kinds")
+def test_a_kind_whose_library_is_refused_hands_over_to_the_next(monkeypatch):
+    """amx_gemm.c where the OS refuses AMX state (or any kind whose build or check fails):
+    layers take the next kind down this CPU's list, not PyTorch's kernels."""
+    from server.quant import cpu_gemm
+
+    first, second = KERNEL_KINDS[:2]
+    monkeypatch.setattr(cpu_gemm, "KIND", first)
+    monkeypatch.setattr(cpu_gemm, "_state", [])
+    monkeypatch.setitem(cpu_gemm._by_kind, first, None)
+    assert cpu_gemm.checked() is cpu_gemm.of_kind(second) is not None
+
+
 @pytest.mark.skipif("avx2" not in KERNEL_KINDS, reason="needs AVX2, FMA and F16C")
 def test_the_avx2_kernels_build_for_haswell_and_pass_their_check(tmp_path):
     """avx2_gemm.c compiled for an AVX2-only CPU (-march=haswell: no AVX-512 registers or
