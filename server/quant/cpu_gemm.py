@@ -66,13 +66,17 @@ def _kind() -> str | None:
 KIND = _kind()
 SOURCE = SOURCES.get(KIND)  # this machine's source, or None
 BLOCK = 32  # outputs per block of the layout: a layer's out_features must be a multiple
-# Prompt rows: on AMX machines oneDNN's bf16 GEMM on the unpacked weight is several times this
-# kernel (AMX tiles); on AVX-512 BF16 without AMX the two are even at 16-64 rows (300-340
-# GFLOP/s on Zen 4, benchmarks/kernels.py) and this kernel needs no unpacked copy, so every
-# row takes it; on AVX2 oneDNN's bf16 GEMM is 4x slower than avx2_gemm.c at 64 rows (2.9 ms
-# against 0.73 ms for 1536 x 576, measured on Zen 4 limited to AVX2). For int4 and int8 layers
-# alike (int8.py).
-PROMPTS_UNPACKED = "amx_bf16" in native.cpu_flags()
+# Prompt rows: where amx_gemm.c runs, it takes them too, with no unpacked copy (prefill of 16
+# prompts of ~130 tokens on an Intel Xeon with AMX: smollm2-135m:int4 2,100-2,160 against
+# 1,380-1,620 tokens/s for oneDNN's AMX GEMM on the weights unpacked each step, the 360M shape
+# 920-940 against 440-550; a 1,500-word prompt 1.2-1.45x). On an AMX machine held to
+# avx512_gemm.c (LOCALSERVE_CPU_KERNELS), oneDNN's AMX GEMM on the unpacked weight is several
+# times that kernel at many rows. On AVX-512 BF16 without AMX the two are even at 16-64 rows
+# (300-340 GFLOP/s on Zen 4, benchmarks/kernels.py) and this kernel needs no unpacked copy, so
+# every row takes it; on AVX2 oneDNN's bf16 GEMM is 4x slower than avx2_gemm.c at 64 rows (2.9
+# ms against 0.73 ms for 1536 x 576, measured on Zen 4 limited to AVX2). For int4 and int8
+# layers alike (int8.py).
+PROMPTS_UNPACKED = "amx_bf16" in native.cpu_flags() and KIND != "amx"
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _DTYPES = (torch.bfloat16, torch.float32)
 

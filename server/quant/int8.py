@@ -106,11 +106,11 @@ class Int8Linear(nn.Module):
         return torch.ops.aten._weight_int8pack_mm(x2, self.weight, self.kernel_scale)
 
     def unpacked_numel(self) -> int:
-        """How many bf16 values unpack_into writes (rows.py); 0 without the CPU kernel, and 0
-        in our kernels' layout except on AMX machines (cpu_gemm.PROMPTS_UNPACKED): there the
-        packed kernel takes prompt rows too, faster than a bf16 GEMM on an unpacked copy made
-        each step (smollm2-135m:int8, 16 prompts of ~126 tokens: 871-953 against 542-700
-        tokens/s on Zen 4, 648-697 against 136-138 on Zen 4 held to AVX2)."""
+        """How many bf16 values unpack_into writes (rows.py); 0 without the CPU kernel, and 0 in our
+        kernels' layout unless cpu_gemm.PROMPTS_UNPACKED (AMX machines held to avx512_gemm.c): the
+        packed kernel takes prompt rows too, faster than a bf16 GEMM on an unpacked copy made each
+        step (smollm2-135m:int8, 16 prompts of ~126 tokens: 871-953 against 542-700 tokens/s on Zen
+        4, 648-697 against 136-138 on Zen 4 held to AVX2)."""
         if self.kernel_scale is None or (self.q8 is not None and not cpu_gemm.PROMPTS_UNPACKED):
             return 0
         return self.in_features * self.out_features

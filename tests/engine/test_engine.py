@@ -262,12 +262,12 @@ def llama_quantized(request):
 def test_prompt_rows_give_the_same_logprobs_however_they_are_computed(llama_quantized,
                                                                      prompts_unpacked,
                                                                      monkeypatch):
-    """int4/int8 layers send prompt rows through a bf16 GEMM on the unpacked weight and
-    generated rows through the packed kernel (or, with our kernels and no AMX, every row through
-    the kernel), whatever shares the step: a prompt computed whole, in chunks of 16, from the
-    prefix cache or among decoding sequences gives the same logprobs bit for bit (with a
-    row-count threshold instead, the cached run's tail took the other kernel and real-model
-    greedy text diverged)."""
+    """int4/int8 layers send prompt rows through a bf16 GEMM on the unpacked weight and generated
+    rows through the packed kernel (or, with our kernels where prompts are not unpacked, every row
+    through the kernel), whatever shares the step: a prompt computed whole, in chunks of 16, from
+    the prefix cache or among decoding sequences gives the same logprobs bit for bit (with a row-
+    count threshold instead, the cached run's tail took the other kernel and real-model greedy text
+    diverged)."""
     from server.quant import cpu_gemm
     from server.quant.int4 import checked_unpack
 

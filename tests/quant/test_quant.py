@@ -232,7 +232,8 @@ def test_int4_rows_past_the_threshold_run_unpacked_bf16_gemm(rows, int4_layout, 
     """From UNPACK_MIN_ROWS rows the CPU layer unpacks its int4 layout to bf16 with a compiled
     helper and multiplies in bf16: the same numbers as a bf16 GEMM on the reference
     dequantization (tinygemm rounds scales to bf16 first), close to the packed kernel's.
-    (Our kernels' layout does so where prompts take the unpacked weights: AMX machines.)"""
+    (Our kernels' layout does so where prompts take the unpacked weights: AMX machines held to
+    avx512_gemm.c.)"""
     from server.quant import cpu_gemm, int4, native
 
     monkeypatch.setenv("LOCALSERVE_HOME", str(tmp_path))
@@ -261,7 +262,8 @@ def test_int4_rows_past_the_threshold_run_unpacked_bf16_gemm(rows, int4_layout, 
 
 
 def test_int4_gemm_takes_every_row_where_prompts_are_not_unpacked(kernel_kind, monkeypatch):
-    """Without AMX, our kernels serve prompt rows too: no unpacked copy, inside an engine step
+    """Where prompts are not unpacked (every machine but AMX ones held to avx512_gemm.c), our
+    kernels serve prompt rows too: no unpacked copy, inside an engine step
     or outside, and each row the same as alone."""
     from server.quant import cpu_gemm, rows
 
