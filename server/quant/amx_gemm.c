@@ -191,19 +191,10 @@ int int4_gemm(const uint16_t *x, const uint8_t *packed, uint16_t *y, float *xsum
         return amx_state == 1 ? int4_gemm_avx512(x, packed, y, xsum, m, n, k, group) : 1;
     if (n % 32 || k % group) return 1;
     int64_t groups = k / group, blocks = n / 32;
-    for (int64_t i = 0; i < m; i++)
-        for (int64_t g = 0; g < groups; g++) {
-            float s = 0.0f;
-            for (int64_t j = g * group; j < (g + 1) * group; j++)
-                s = s + bf16_to_float(x[i * k + j]);
-            xsum[i * groups + g] = s;
-        }
+    group_sums(x, xsum, m, k, group);
     uint16_t *xp = padded_rows(x, m, k);
     if (!xp) return 1;
-    uint16_t t[32];
-    for (int v = 0; v < 32; v++) t[v] = float_to_bf16((float)(v & 15) - 8.0f);
-    __m512i table;
-    memcpy(&table, t, sizeof table);
+    const __m512i table = nibble_table();
     int failed = 0;
     #pragma omp parallel if (blocks >= 4) reduction(|:failed)
     {
@@ -258,15 +249,9 @@ static void block8_amx(const uint16_t *xp, int64_t k, const int8_t *blk, const f
     const __m512 s0 = _mm512_loadu_ps(scale), s1 = _mm512_loadu_ps(scale + 16);
     for (int i = 0; i < r; i++) {
         const int t = i / TILE_ROWS, row = i % TILE_ROWS;
-        __m512 v0 = _mm512_mul_ps(_mm512_load_ps(sums[2 * t][row]), s0);
-        __m512 v1 = _mm512_mul_ps(_mm512_load_ps(sums[2 * t + 1][row]), s1);
-        if (out_fp32) {
-            _mm512_storeu_ps((float *)y + i * n, v0);
-            _mm512_storeu_ps((float *)y + i * n + 16, v1);
-        } else {
-            store_bf16((uint16_t *)y + i * n, v0);
-            store_bf16((uint16_t *)y + i * n + 16, v1);
-        }
+        store_outputs((char *)y + i * n * (out_fp32 ? 4 : 2),
+                      _mm512_mul_ps(_mm512_load_ps(sums[2 * t][row]), s0),
+                      _mm512_mul_ps(_mm512_load_ps(sums[2 * t + 1][row]), s1), out_fp32);
     }
 }
 

@@ -99,22 +99,48 @@ static inline float bf16_to_float(uint16_t v) {
     return f;
 }
 
+/* 16 bf16 -> fp32 (exact). */
+static inline __m512 load_bf16x16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* xsum[i * groups + g] = the sum of row i's inputs in group g: 16 lanes over the group, then
+ * one fixed tree (a row's sums never depend on the other rows). */
+static void group_sums(const uint16_t *x, float *xsum, int64_t m, int64_t k, int64_t group) {
+    int64_t groups = k / group;
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t g = 0; g < groups; g++) {
+            const uint16_t *xg = x + i * k + g * group;
+            if (group % 16 == 0) {
+                __m512 v = load_bf16x16(xg);
+                for (int64_t j = 16; j < group; j += 16)
+                    v = _mm512_add_ps(v, load_bf16x16(xg + j));
+                xsum[i * groups + g] = _mm512_reduce_add_ps(v);
+                continue;
+            }
+            float s = 0.0f;
+            for (int64_t j = 0; j < group; j++) s = s + bf16_to_float(xg[j]);
+            xsum[i * groups + g] = s;
+        }
+}
+
+/* Nibble v (either half of the index) -> q - 8 as bf16, for vpermw. */
+static __m512i nibble_table(void) {
+    uint16_t t[32];
+    for (int v = 0; v < 32; v++) t[v] = float_to_bf16((float)(v & 15) - 8.0f);
+    __m512i table;
+    memcpy(&table, t, sizeof table);
+    return table;
+}
+
 /* x: bf16 [m, k]; y: bf16 [m, n]; xsum: fp32 [m * k / group] scratch (x's sums per group). */
 int int4_gemm(const uint16_t *x, const uint8_t *packed, uint16_t *y, float *xsum, int64_t m,
               int64_t n, int64_t k, int64_t group) {
     if (n % 32 || k % group || group % 2) return 1;
     int64_t groups = k / group, blocks = n / 32;
-    for (int64_t i = 0; i < m; i++)
-        for (int64_t g = 0; g < groups; g++) {
-            float s = 0.0f;
-            for (int64_t j = g * group; j < (g + 1) * group; j++)
-                s = s + bf16_to_float(x[i * k + j]);
-            xsum[i * groups + g] = s;
-        }
-    uint16_t t[32];
-    for (int v = 0; v < 32; v++) t[v] = float_to_bf16((float)(v & 15) - 8.0f);
-    __m512i table;
-    memcpy(&table, t, sizeof table);
+    group_sums(x, xsum, m, k, group);
+    const __m512i table = nibble_table();
     #pragma omp parallel for schedule(static) if (blocks >= 4)
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *blk = packed + b * groups * group_bytes(group);
@@ -175,6 +201,17 @@ static inline __m512i int8_pairs(const int8_t *p) {
     return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
 }
 
+/* Outputs [0, 32) of one row: fp32 (logits) or bf16. */
+static inline void store_outputs(void *y, __m512 v0, __m512 v1, int out_fp32) {
+    if (out_fp32) {
+        _mm512_storeu_ps((float *)y, v0);
+        _mm512_storeu_ps((float *)y + 16, v1);
+    } else {
+        store_bf16((uint16_t *)y, v0);
+        store_bf16((uint16_t *)y + 16, v1);
+    }
+}
+
 static inline void block8(const uint16_t *x, int64_t k, const int8_t *blk, const float *scale,
                           void *y, int64_t n, const int r, int out_fp32) {
     __m512 a0[ROWS], a1[ROWS];
@@ -184,14 +221,8 @@ static inline void block8(const uint16_t *x, int64_t k, const int8_t *blk, const
     }
     const __m512 s0 = _mm512_loadu_ps(scale), s1 = _mm512_loadu_ps(scale + 16);
     for (int i = 0; i < r; i++) {
-        __m512 v0 = _mm512_mul_ps(a0[i], s0), v1 = _mm512_mul_ps(a1[i], s1);
-        if (out_fp32) {
-            _mm512_storeu_ps((float *)y + i * n, v0);
-            _mm512_storeu_ps((float *)y + i * n + 16, v1);
-        } else {
-            store_bf16((uint16_t *)y + i * n, v0);
-            store_bf16((uint16_t *)y + i * n + 16, v1);
-        }
+        char *row = (char *)y + i * n * (out_fp32 ? 4 : 2);
+        store_outputs(row, _mm512_mul_ps(a0[i], s0), _mm512_mul_ps(a1[i], s1), out_fp32);
     }
 }
 
