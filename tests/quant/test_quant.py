@@ -162,6 +162,40 @@ def test_the_kernel_kind_follows_the_cpu_and_can_be_forced_down_only(monkeypatch
     assert "ignored" in caplog.text
 
 
+@pytest.mark.skipif("amx" not in KERNEL_KINDS, reason="needs AMX")
+def test_amx_rows_get_the_same_bits_from_fmas_and_from_tiles():
+    """amx_gemm.c computes calls of up to 4 rows with AVX-512 FMAs in TDPBF16PS's own order and
+    more rows with the tiles: a row alone, in a pair or among 40 gets the same bits, for int4
+    (groups of 32 and 64) and int8 (bf16 out and fp32 logits), activations spanning 2^-130 to
+    2^20 (denormals and zeros included: both paths flush them as the tiles do)."""
+    from server.quant import cpu_gemm
+
+    lib = cpu_gemm.of_kind("amx")
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(40, 384, generator=g) * torch.exp2(torch.randint(-130, 20, (40, 384),
+                                                                       generator=g).float())
+    x[3, :100] = 0
+    x[7] = torch.randn(384, generator=g) * 2.0**-128  # a row of denormals and tiny values
+    x = x.bfloat16()
+    assert (x.float().abs() < 2.0**-126).logical_and(x != 0).any()  # denormals are in there
+
+    def check(fn):
+        batched = fn(x)
+        for lo, hi in ((0, 1), (1, 3), (6, 8), (7, 8), (5, 9), (9, 13), (20, 37)):
+            assert torch.equal(fn(x[lo:hi]), batched[lo:hi])
+
+    for group in (32, 64):
+        q = torch.randint(0, 16, (96, 384), generator=g, dtype=torch.uint8)
+        scale = (torch.rand(96, 384 // group, generator=g) / 8).half()
+        zero = (torch.randn(96, 384 // group, generator=g) / 4).half()
+        layout = cpu_gemm.pack_int4(q, scale, zero, group)
+        check(lambda rows, layout=layout, group=group: cpu_gemm.gemm(rows, layout, group, lib))
+    q8 = cpu_gemm.pack_int8(torch.randint(-127, 128, (160, 384), generator=g, dtype=torch.int8))
+    s8 = torch.rand(160, generator=g) / 100
+    for dtype in (torch.bfloat16, torch.float32):
+        check(lambda rows, dtype=dtype: cpu_gemm.gemm_int8(rows, q8, s8, lib, dtype))
+
+
 @pytest.mark.skipif(len(KERNEL_KINDS) < 2, reason="needs a CPU that runs two kinds")
 def test_a_kind_whose_library_is_refused_hands_over_to_the_next(monkeypatch):
     """amx_gemm.c where the OS refuses AMX state (or any kind whose build or check fails):
