@@ -14,15 +14,9 @@
  * end. Groups and input widths must be multiples of 32 (one tile's depth); other layers take
  * avx512_gemm.c's kernels, whatever the row count.
  *
- * Batch invariance: a tile row's sums depend on that row of x and the weights only (rows are
- * padded with zeros to whole tiles; tile rows past the call's are never read back). Calls of
- * up to FEW_ROWS rows, where the tiles' fixed costs dominate, compute the same sums with
- * AVX-512 FMAs in TDPBF16PS's own order, bit for bit (measured on this hardware: for each tile
- * product, output and input pair, the even inputs' products are summed in one chain of fused
- * adds in order and the odd inputs' in another, then tile += even + odd; inputs and results
- * below fp32's normal range are zero). So every row gets the same bits whatever the row count:
- * the check at load compares rows alone (FMAs) against 37 rows (tiles), bit for bit. Both
- * paths run with MXCSR's flush-to-zero and denormals-are-zero set, as the tiles do.
+ * Batch invariance: a tile row's sums depend on that row of x and the weights only, and every
+ * row of a call takes the same instructions whatever the row count (rows are padded with zeros
+ * to whole tiles; tile rows past the call's are never read back).
  *
  * The kernel needs the process's permission for AMX state (Linux's arch_prctl
  * ARCH_REQ_XCOMP_PERM); amx_gemm_available() asks once and returns 0 where it is refused or the
@@ -182,170 +176,6 @@ static void block_amx(const uint16_t *xp, int64_t k, const float *xsum, int64_t 
     }
 }
 
-/* Calls of up to this many rows take the FMA path (1 to 4 rows: 1.1-1.4x the tiles'
- * time saved, measured per call on an Intel Xeon with AMX). */
-#define FEW_ROWS 4
-
-#define MXCSR_FTZ_DAZ 0x8040
-
-/* x [m, k] bf16 -> fp32 (exact). */
-static float *rows_fp32(const uint16_t *x, int64_t m, int64_t k) {
-    float *f = aligned_alloc(64, (size_t)((m * k * 4 + 63) / 64 * 64));
-    if (!f) return NULL;
-    for (int64_t j = 0; j < m * k; j++) f[j] = bf16_to_float(x[j]);
-    return f;
-}
-
-/* One tile product's sums for rows [0, r) of xf (row stride k) against 16 input pairs, the
- * pairs' weights for 32 outputs as fp32 by `weights(p, w)` (w[0]: outputs 0-15, even inputs;
- * w[1]: odd; w[2], w[3]: outputs 16-31): sums[i][h] += even chain + odd chain. */
-#define TILE_PRODUCT_FMA(xf, k, r, sums, weights)                                       \
-    do {                                                                                \
-        __m512 e[FEW_ROWS][2], o[FEW_ROWS][2];                                          \
-        for (int i = 0; i < (r); i++)                                                   \
-            e[i][0] = e[i][1] = o[i][0] = o[i][1] = _mm512_setzero_ps();                \
-        for (int p = 0; p < TILE_ROWS; p++) {                                           \
-            __m512 w[4];                                                                \
-            weights(p, w);                                                              \
-            for (int i = 0; i < (r); i++) {                                             \
-                __m512 xe = _mm512_set1_ps((xf)[i * (k) + 2 * p]);                      \
-                __m512 xo = _mm512_set1_ps((xf)[i * (k) + 2 * p + 1]);                  \
-                e[i][0] = _mm512_fmadd_ps(xe, w[0], e[i][0]);                           \
-                o[i][0] = _mm512_fmadd_ps(xo, w[1], o[i][0]);                           \
-                e[i][1] = _mm512_fmadd_ps(xe, w[2], e[i][1]);                           \
-                o[i][1] = _mm512_fmadd_ps(xo, w[3], o[i][1]);                           \
-            }                                                                           \
-        }                                                                               \
-        for (int i = 0; i < (r); i++)                                                   \
-            for (int h = 0; h < 2; h++)                                                 \
-                sums[i][h] = _mm512_add_ps(sums[i][h], _mm512_add_ps(e[i][h], o[i][h])); \
-    } while (0)
-
-/* Rows [0, r) (r <= FEW_ROWS) of xf against one block of the int4 layout, as block_amx. */
-static inline void block_fma(const float *xf, int64_t k, const float *xsum, int64_t groups,
-                             int64_t group, const uint8_t *blk, uint16_t *y, int64_t n,
-                             const int r) {
-    const __m512 table = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
-    __m512 acc[FEW_ROWS][2];
-    for (int i = 0; i < r; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *head = blk + g * group_bytes(group);
-        __m512 sums[FEW_ROWS][2];
-        for (int i = 0; i < r; i++) sums[i][0] = sums[i][1] = _mm512_setzero_ps();
-        for (int64_t c = 0; c < group; c += CHUNK) {
-            const uint8_t *pk = head + GROUP_HEAD + c / 2 * 32;
-            /* Byte 2i + h of a pair: output i's input 2p + h (low nibble), output 16 + i's
-             * (high nibble); vpermps reads an index's low 4 bits. */
-#define NIBBLE_WEIGHTS(p, w)                                                              \
-            do {                                                                          \
-                __m512i v = _mm512_cvtepu16_epi32(                                        \
-                    _mm256_loadu_si256((const __m256i *)(pk + (p) * 32)));                \
-                (w)[0] = _mm512_permutexvar_ps(v, table);                                 \
-                (w)[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 8), table);           \
-                (w)[2] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);           \
-                (w)[3] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 12), table);          \
-            } while (0)
-            TILE_PRODUCT_FMA(xf + g * group + c, k, r, sums, NIBBLE_WEIGHTS);
-#undef NIBBLE_WEIGHTS
-        }
-        const __m512 s0 = half16(head), s1 = half16(head + 32);
-        const __m512 z0 = half16(head + 64), z1 = half16(head + 96);
-        for (int i = 0; i < r; i++) {
-            __m512 xs = _mm512_set1_ps(xsum[i * groups + g]);
-            acc[i][0] = _mm512_add_ps(_mm512_add_ps(acc[i][0], _mm512_mul_ps(sums[i][0], s0)),
-                                      _mm512_mul_ps(xs, z0));
-            acc[i][1] = _mm512_add_ps(_mm512_add_ps(acc[i][1], _mm512_mul_ps(sums[i][1], s1)),
-                                      _mm512_mul_ps(xs, z1));
-        }
-    }
-    for (int i = 0; i < r; i++) {
-        store_bf16(y + i * n, acc[i][0]);
-        store_bf16(y + i * n + 16, acc[i][1]);
-    }
-}
-
-/* 16 signed bytes at even (h = 0) or odd (h = 1) positions of 32 -> fp32. */
-static inline __m512 int8_lanes(__m512i v, int h) {
-    return _mm512_cvtepi32_ps(h ? _mm512_srai_epi32(v, 8)
-                                : _mm512_srai_epi32(_mm512_slli_epi32(v, 24), 24));
-}
-
-/* Rows [0, r) (r <= FEW_ROWS) of xf against one block of the int8 layout, as block8_amx. */
-static inline void block8_fma(const float *xf, int64_t k, const int8_t *blk,
-                              const float *scale, void *y, int64_t n, const int r,
-                              int out_fp32) {
-    __m512 sums[FEW_ROWS][2];
-    for (int i = 0; i < r; i++) sums[i][0] = sums[i][1] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < k; c += CHUNK) {
-        const int8_t *pk = blk + c / 2 * 64;
-#define INT8_WEIGHTS(p, w)                                                                \
-        do {                                                                              \
-            __m512i v0 = _mm512_cvtepi16_epi32(                                           \
-                _mm256_loadu_si256((const __m256i *)(pk + (p) * 64)));                    \
-            __m512i v1 = _mm512_cvtepi16_epi32(                                           \
-                _mm256_loadu_si256((const __m256i *)(pk + (p) * 64 + 32)));               \
-            (w)[0] = int8_lanes(v0, 0);                                                   \
-            (w)[1] = int8_lanes(v0, 1);                                                   \
-            (w)[2] = int8_lanes(v1, 0);                                                   \
-            (w)[3] = int8_lanes(v1, 1);                                                   \
-        } while (0)
-        TILE_PRODUCT_FMA(xf + c, k, r, sums, INT8_WEIGHTS);
-#undef INT8_WEIGHTS
-    }
-    const __m512 s0 = _mm512_loadu_ps(scale), s1 = _mm512_loadu_ps(scale + 16);
-    for (int i = 0; i < r; i++)
-        store_outputs((char *)y + i * n * (out_fp32 ? 4 : 2), _mm512_mul_ps(sums[i][0], s0),
-                      _mm512_mul_ps(sums[i][1], s1), out_fp32);
-}
-
-/* One call of up to FEW_ROWS rows, for the FMA path's blocks. */
-typedef struct {
-    const float *xf;  /* x in fp32 */
-    int64_t m, n, k, groups, group;
-    const void *packed;
-    const float *xsum, *scale;  /* int4: x's group sums; int8: the row scales */
-    void *y;
-    int out_fp32;
-} fma_call;
-
-static void int4_block_fma(const fma_call *c, int64_t b) {
-    const uint8_t *blk = (const uint8_t *)c->packed + b * c->groups * group_bytes(c->group);
-    uint16_t *y = (uint16_t *)c->y + b * 32;
-    /* Constant row counts, so each compiles to its own unrolled loops. */
-    if (c->m == 4) block_fma(c->xf, c->k, c->xsum, c->groups, c->group, blk, y, c->n, 4);
-    else if (c->m == 3) block_fma(c->xf, c->k, c->xsum, c->groups, c->group, blk, y, c->n, 3);
-    else if (c->m == 2) block_fma(c->xf, c->k, c->xsum, c->groups, c->group, blk, y, c->n, 2);
-    else block_fma(c->xf, c->k, c->xsum, c->groups, c->group, blk, y, c->n, 1);
-}
-
-static void int8_block_fma(const fma_call *c, int64_t b) {
-    const int8_t *blk = (const int8_t *)c->packed + b * c->k * 32;
-    const float *scale = c->scale + b * 32;
-    char *y = (char *)c->y + b * 32 * (c->out_fp32 ? 4 : 2);
-    if (c->m == 4) block8_fma(c->xf, c->k, blk, scale, y, c->n, 4, c->out_fp32);
-    else if (c->m == 3) block8_fma(c->xf, c->k, blk, scale, y, c->n, 3, c->out_fp32);
-    else if (c->m == 2) block8_fma(c->xf, c->k, blk, scale, y, c->n, 2, c->out_fp32);
-    else block8_fma(c->xf, c->k, blk, scale, y, c->n, 1, c->out_fp32);
-}
-
-/* Every block of the call through `block`, with the tiles' flushing of denormals. */
-static int fma_blocks(fma_call *c, const uint16_t *x, int64_t blocks,
-                      void (*block)(const fma_call *, int64_t)) {
-    float *xf = rows_fp32(x, c->m, c->k);
-    if (!xf) return 1;
-    c->xf = xf;
-    #pragma omp parallel if (blocks >= 4)
-    {
-        const unsigned int mxcsr = _mm_getcsr();
-        _mm_setcsr(mxcsr | MXCSR_FTZ_DAZ);
-        #pragma omp for schedule(static)
-        for (int64_t b = 0; b < blocks; b++) block(c, b);
-        _mm_setcsr(mxcsr);
-    }
-    free(xf);
-    return 0;
-}
-
 static int amx_state = -1;  /* -1 not asked yet, 0 refused, 1 granted */
 
 int amx_gemm_available(void) {
@@ -362,10 +192,6 @@ int int4_gemm(const uint16_t *x, const uint8_t *packed, uint16_t *y, float *xsum
     if (n % 32 || k % group) return 1;
     int64_t groups = k / group, blocks = n / 32;
     group_sums(x, xsum, m, k, group);
-    if (m <= FEW_ROWS) {
-        fma_call c = {NULL, m, n, k, groups, group, packed, xsum, NULL, y, 0};
-        return fma_blocks(&c, x, blocks, int4_block_fma);
-    }
     uint16_t *xp = padded_rows(x, m, k);
     if (!xp) return 1;
     const __m512i table = nibble_table();
@@ -378,8 +204,6 @@ int int4_gemm(const uint16_t *x, const uint8_t *packed, uint16_t *y, float *xsum
             unpacked = aligned_alloc(64, (size_t)(k / CHUNK * 2 * TILE_ROWS * 64));
             failed = unpacked == NULL;
         }
-        const unsigned int mxcsr = _mm_getcsr();
-        _mm_setcsr(mxcsr | MXCSR_FTZ_DAZ);
         configure_tiles(m);
         #pragma omp for schedule(static)
         for (int64_t b = 0; b < blocks; b++) {
@@ -398,7 +222,6 @@ int int4_gemm(const uint16_t *x, const uint8_t *packed, uint16_t *y, float *xsum
             }
         }
         _tile_release();
-        _mm_setcsr(mxcsr);
         free(unpacked);
     }
     free(xp);
@@ -439,16 +262,10 @@ int int8_gemm(const uint16_t *x, const int8_t *packed, const float *scale, void 
         return amx_state == 1 ? int8_gemm_avx512(x, packed, scale, y, m, n, k, out_fp32) : 1;
     if (n % 32) return 1;
     int64_t blocks = n / 32;
-    if (m <= FEW_ROWS) {
-        fma_call c = {NULL, m, n, k, 0, 0, packed, NULL, scale, y, out_fp32};
-        return fma_blocks(&c, x, blocks, int8_block_fma);
-    }
     uint16_t *xp = padded_rows(x, m, k);
     if (!xp) return 1;
     #pragma omp parallel if (blocks >= 4)
     {
-        const unsigned int mxcsr = _mm_getcsr();
-        _mm_setcsr(mxcsr | MXCSR_FTZ_DAZ);
         configure_tiles(m);
         #pragma omp for schedule(static)
         for (int64_t b = 0; b < blocks; b++) {
@@ -460,7 +277,6 @@ int int8_gemm(const uint16_t *x, const int8_t *packed, const float *scale, void 
             }
         }
         _tile_release();
-        _mm_setcsr(mxcsr);
     }
     free(xp);
     return 0;

@@ -163,11 +163,11 @@ def test_the_kernel_kind_follows_the_cpu_and_can_be_forced_down_only(monkeypatch
 
 
 @pytest.mark.skipif("amx" not in KERNEL_KINDS, reason="needs AMX")
-def test_amx_rows_get_the_same_bits_from_fmas_and_from_tiles():
-    """amx_gemm.c computes calls of up to 4 rows with AVX-512 FMAs in TDPBF16PS's own order and
-    more rows with the tiles: a row alone, in a pair or among 40 gets the same bits, for int4
-    (groups of 32 and 64) and int8 (bf16 out and fp32 logits), activations spanning 2^-130 to
-    2^20 (denormals and zeros included: both paths flush them as the tiles do)."""
+def test_amx_rows_get_the_same_bits_alone_and_among_others():
+    """amx_gemm.c pads rows to whole tiles and sets the tiles to a call's row count below 16: a
+    row alone, in a pair or among 40 gets the same bits, for int4 (groups of 32 and 64) and int8
+    (bf16 out and fp32 logits), activations spanning 2^-130 to 2^20 (denormals and zeros
+    included)."""
     from server.quant import cpu_gemm
 
     lib = cpu_gemm.of_kind("amx")
