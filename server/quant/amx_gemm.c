@@ -190,6 +190,7 @@ int int4_gemm(const uint16_t *x, const uint8_t *packed, uint16_t *y, float *xsum
     if (amx_state != 1 || group % CHUNK)
         return amx_state == 1 ? int4_gemm_avx512(x, packed, y, xsum, m, n, k, group) : 1;
     if (n % 32 || k % group) return 1;
+    if (m == 0) return 0;  /* (a tile of 0 rows is not a valid configuration) */
     int64_t groups = k / group, blocks = n / 32;
     group_sums(x, xsum, m, k, group);
     uint16_t *xp = padded_rows(x, m, k);
@@ -261,6 +262,7 @@ int int8_gemm(const uint16_t *x, const int8_t *packed, const float *scale, void 
     if (amx_state != 1 || k % CHUNK)
         return amx_state == 1 ? int8_gemm_avx512(x, packed, scale, y, m, n, k, out_fp32) : 1;
     if (n % 32) return 1;
+    if (m == 0) return 0;
     int64_t blocks = n / 32;
     uint16_t *xp = padded_rows(x, m, k);
     if (!xp) return 1;

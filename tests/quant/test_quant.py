@@ -162,6 +162,18 @@ def test_the_kernel_kind_follows_the_cpu_and_can_be_forced_down_only(monkeypatch
     assert "ignored" in caplog.text
 
 
+def test_a_call_of_no_rows_gives_no_rows(kernel_kind):
+    """Every kind takes an empty batch (amx_gemm.c crashed: a tile of 0 rows is invalid)."""
+    from server.quant import cpu_gemm
+
+    q = torch.randint(0, 16, (64, 64), dtype=torch.uint8)
+    layout = cpu_gemm.pack_int4(q, torch.ones(64, 2).half(), torch.zeros(64, 2).half(), 32)
+    q8 = cpu_gemm.pack_int8(torch.randint(-5, 5, (64, 64), dtype=torch.int8))
+    x = torch.empty(0, 64, dtype=torch.bfloat16)
+    assert cpu_gemm.gemm(x, layout, 32).shape == (0, 64)
+    assert cpu_gemm.gemm_int8(x, q8, torch.ones(64), out_dtype=torch.float32).shape == (0, 64)
+
+
 @pytest.mark.skipif("amx" not in KERNEL_KINDS, reason="needs AMX")
 def test_amx_rows_get_the_same_bits_alone_and_among_others():
     """amx_gemm.c pads rows to whole tiles and sets the tiles to a call's row count below 16: a
