@@ -1,8 +1,12 @@
 """Batched sampling: penalties, logit bias, greedy, temperature / top-k / top-p / min-p, seeds.
 
-Rows with a seed draw their noise from their own generator, so a seeded request gives the same
-text whatever else shares the batch. Sampling is the exponential race: argmax(p / E) with
-E ~ Exp(1) picks index i with probability p_i, and needs one noise vector per row.
+Rows with a seed draw from their own generator, so a seeded request gives the same text whatever
+else shares the batch. Sampling inverts the row's cumulative distribution (in fp64) at one
+uniform draw per row: the exponential race (argmax(p / E), E ~ Exp(1)) needed a noise vector the
+size of the vocabulary per row, 31 ms a step at 32 rows of a 49,152-token vocabulary (two CPU
+cores) against a forward of ~20 ms; one draw a row takes 8-9 ms there, all told. Top-k and top-p
+read the top of each row with `topk` instead of sorting the vocabulary (top-p sorts a row whose
+top does not hold its mass): 32 rows with top-p 9-16 ms a step, 73-78 before.
 Rows of sequences with a grammar are masked to the tokens it allows (after bias and penalties,
 so nothing lifts a disallowed token back); reported logprobs stay the model's own.
 """
@@ -15,6 +19,10 @@ import torch
 
 from server.engine.grammar import GrammarMasks
 from server.engine.sequence import Sequence
+
+# Tokens top-p reads first (a row they do not cover reads all of its tokens): a nucleus of
+# 0.9-0.95 at temperature 0.7-1 is tens to hundreds of tokens.
+TOP_P_WIDTH = 512
 
 
 @dataclass(slots=True)
@@ -53,10 +61,10 @@ class Sampler:
             rows = torch.tensor(random_rows)
             sub = logits[rows] / torch.tensor([temps[i] for i in random_rows])[:, None]
             sub = self._truncate(sub, [seqs[i] for i in random_rows])
-            probs = torch.softmax(sub, dim=-1)
-            noise = torch.stack([self._exponential(seqs[i], probs.shape[1], probs.device)
-                                 for i in random_rows])
-            token_ids[rows] = (probs / noise).argmax(dim=-1)
+            cdf = torch.softmax(sub, dim=-1).double().cumsum(dim=-1)
+            draws = torch.cat([self._uniform(seqs[i], cdf.device) for i in random_rows])
+            picked = torch.searchsorted(cdf, (draws * cdf[:, -1])[:, None], right=True)[:, 0]
+            token_ids[rows] = picked.clamp_(max=cdf.shape[1] - 1).to(token_ids.device)
 
         if raw_logprobs is None:
             return SampleResult(token_ids, None, None, None)
@@ -76,15 +84,16 @@ class Sampler:
                     states.append(seq.grammar)
         self.grammar_masks.prefetch(states)
 
-    def _exponential(self, seq: Sequence, vocab: int, device) -> torch.Tensor:
+    def _uniform(self, seq: Sequence, device) -> torch.Tensor:
+        """One draw in [0, 1) (fp64, [1]) from the row's own generator if it has a seed."""
         seed = seq.params.seed
         if seed is None:
-            return torch.empty(vocab, device=device).exponential_()
+            return torch.rand(1, dtype=torch.float64, device=device)
         gen = self.generators.get(seq.seq_id)
         if gen is None:
             gen = self.generators[seq.seq_id] = torch.Generator(device=device)
             gen.manual_seed(seed)
-        return torch.empty(vocab, device=device).exponential_(generator=gen)
+        return torch.rand(1, dtype=torch.float64, device=device, generator=gen)
 
     @staticmethod
     def _apply_bias_and_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
@@ -104,6 +113,19 @@ class Sampler:
                                               vals * p.repetition_penalty)
 
     @staticmethod
+    def _top_p_drop(probs: torch.Tensor, p: torch.Tensor,
+                    width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Which tokens top-p drops, judged on each row's `width` most likely (a row's own
+        width, never another row's: ties keep their order), and the rows whose `width` tokens
+        hold less than their top_p (to judge on every token)."""
+        top, order = probs.topk(width, dim=-1)
+        # Drop a token when the mass before it already reaches top_p (keeps at least one).
+        before = top.cumsum(dim=-1) - top
+        drop = torch.ones_like(probs, dtype=torch.bool).scatter(1, order, before >= p)
+        short = (before[:, -1:] + top[:, -1:] < p)[:, 0].nonzero()[:, 0]
+        return drop, short
+
+    @staticmethod
     def _truncate(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Mask tokens outside top-k, top-p and min-p (per row; no-ops skipped)."""
         top_k = [s.params.top_k for s in seqs]
@@ -111,16 +133,17 @@ class Sampler:
         min_p = [s.params.min_p for s in seqs]
         vocab = logits.shape[1]
         if any(0 < k < vocab for k in top_k):
-            k = torch.tensor([k if 0 < k < vocab else vocab for k in top_k])
-            kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
+            k = torch.tensor([k if 0 < k < vocab else vocab for k in top_k], device=logits.device)
+            top = logits.topk(int(k.max()), dim=-1).values
+            kth = top.gather(1, (k - 1)[:, None])
             logits = logits.masked_fill(logits < kth, float("-inf"))
         if any(p < 1.0 for p in top_p):
-            sorted_logits, order = logits.sort(dim=-1, descending=True)
-            probs = sorted_logits.softmax(dim=-1)
-            # Drop a token when the mass before it already reaches top_p (keeps at least one).
-            before = probs.cumsum(dim=-1) - probs
-            drop = before >= torch.tensor(top_p)[:, None]
-            logits = logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))
+            p = torch.tensor(top_p, device=logits.device)[:, None]
+            probs = logits.softmax(dim=-1)
+            drop, short = Sampler._top_p_drop(probs, p, min(vocab, TOP_P_WIDTH))
+            if len(short):  # rows whose most likely tokens hold less than top_p: all of them
+                drop[short] = Sampler._top_p_drop(probs[short], p[short], vocab)[0]
+            logits = logits.masked_fill(drop, float("-inf"))
         if any(p > 0.0 for p in min_p):
             probs = logits.softmax(dim=-1)
             floor = probs.amax(dim=-1, keepdim=True) * torch.tensor(min_p)[:, None]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from server.engine.sampler import Sampler
+from server.engine.sampler import TOP_P_WIDTH, Sampler
 from server.engine.sequence import SamplingParams, Sequence
 
 
@@ -72,3 +72,43 @@ def test_top_logprobs_list_the_chosen_token_first_among_equals():
     assert chosen_first([7, 3, 9], [-1.0, -2.0, -2.0], 9) == [(7, -1.0), (9, -2.0), (3, -2.0)]
     assert chosen_first([7, 3], [-2.0, -2.0], 3) == [(3, -2.0), (7, -2.0)]
     assert chosen_first([7, 3], [-1.0, -2.0], 3) == [(7, -1.0), (3, -2.0)]  # not tied: kept
+
+
+def test_top_p_drops_what_a_full_sort_would():
+    """Top-p judges each row on its TOP_P_WIDTH most likely tokens, or on all of them where those
+    hold less than its top_p: the same tokens dropped as sorting the whole row (peaky rows and
+    flat ones whose nucleus is thousands of tokens, in one batch)."""
+    g = torch.Generator().manual_seed(3)
+    spread = torch.tensor([[8.0], [4.0], [2.0], [0.5], [0.1], [3.0]])
+    logits = torch.randn(6, 3000, generator=g) * spread
+    top_p = [0.9, 0.5, 0.95, 0.9, 0.99, 0.2]
+    got = Sampler._truncate(logits.clone(), seqs(*[SamplingParams(top_p=p) for p in top_p]))
+    probs = logits.softmax(dim=-1)
+    ordered, order = probs.sort(dim=-1, descending=True)
+    before = ordered.cumsum(dim=-1) - ordered
+    drop = torch.zeros_like(probs, dtype=torch.bool).scatter(
+        1, order, before >= torch.tensor(top_p)[:, None])
+    assert torch.equal(got == float("-inf"), drop)
+    kept = (~drop).sum(dim=-1)
+    assert kept.max() > TOP_P_WIDTH and kept.min() < 20  # both paths taken
+
+
+def test_a_seeded_row_draws_the_same_alone_and_batched():
+    """A seeded row's draws depend on its own logits and seed only: alone, or beside unseeded
+    rows with other settings (one of them flat enough to take top-p's whole-row path); and a
+    token outside its top-k is never drawn."""
+    g = torch.Generator().manual_seed(4)
+    row = torch.randn(1, 3000, generator=g) * 3
+    flat = torch.randn(1, 3000, generator=g) * 0.1
+    params = SamplingParams(temperature=0.8, top_p=0.95, top_k=50, seed=11)
+    alone, batched = Sampler(3000), Sampler(3000)
+    mine = seqs(params)[0]
+    others = seqs(SamplingParams(temperature=1.3, top_p=0.9), SamplingParams(temperature=0.0))
+    draws_alone, draws_batched = [], []
+    for _ in range(30):
+        draws_alone.append(alone(row.clone(), [mine]).token_ids.item())
+        batch = torch.cat([flat, row, row])
+        draws_batched.append(batched(batch, [others[0], mine, others[1]]).token_ids[1].item())
+    assert draws_alone == draws_batched
+    allowed = set(row[0].topk(50).indices.tolist())
+    assert set(draws_alone) <= allowed and len(set(draws_alone)) > 1
