@@ -36,6 +36,7 @@ class SampleResult:
 class Sampler:
     def __init__(self, vocab_size: int) -> None:
         self.generators: dict[int, torch.Generator] = {}  # seq_id -> seeded generator
+        self._cdf_buffer: torch.Tensor | None = None
         self.grammar_masks = GrammarMasks(vocab_size)
 
     def release(self, seq: Sequence) -> None:
@@ -61,10 +62,17 @@ class Sampler:
             rows = torch.tensor(random_rows)
             sub = logits[rows] / torch.tensor([temps[i] for i in random_rows])[:, None]
             sub = self._truncate(sub, [seqs[i] for i in random_rows])
-            cdf = torch.softmax(sub, dim=-1).double().cumsum(dim=-1)
+            probs = torch.softmax(sub, dim=-1)
+            cdf = self._cdf(probs)
             draws = torch.cat([self._uniform(seqs[i], cdf.device) for i in random_rows])
             picked = torch.searchsorted(cdf, (draws * cdf[:, -1])[:, None], right=True)[:, 0]
-            token_ids[rows] = picked.clamp_(max=cdf.shape[1] - 1).to(token_ids.device)
+            picked.clamp_(max=cdf.shape[1] - 1)
+            # A draw that rounds to the very top can land past the last token with any mass:
+            # never hand out a token of probability 0 (masked by a grammar, top-k or top-p).
+            empty = probs.gather(1, picked[:, None])[:, 0] == 0
+            if bool(empty.any()):
+                picked[empty] = probs[empty].argmax(dim=-1)
+            token_ids[rows] = picked.to(token_ids.device)
 
         if raw_logprobs is None:
             return SampleResult(token_ids, None, None, None)
@@ -83,6 +91,16 @@ class Sampler:
                 if not seq.grammar.is_finished:
                     states.append(seq.grammar)
         self.grammar_masks.prefetch(states)
+
+    def _cdf(self, probs: torch.Tensor) -> torch.Tensor:
+        """The rows' cumulative sums in fp64, in a buffer kept between steps (a fresh one costs
+        as much again in page faults: 2.1 against 1.0 ms at 32 rows x 49,152)."""
+        n, vocab = probs.shape
+        buf = self._cdf_buffer
+        if buf is None or buf.shape[0] < n or buf.shape[1] != vocab or buf.device != probs.device:
+            buf = self._cdf_buffer = torch.empty(n, vocab, dtype=torch.float64,
+                                                 device=probs.device)
+        return torch.cumsum(probs, dim=-1, dtype=torch.float64, out=buf[:n])
 
     def _uniform(self, seq: Sequence, device) -> torch.Tensor:
         """One draw in [0, 1) (fp64, [1]) from the row's own generator if it has a seed."""
