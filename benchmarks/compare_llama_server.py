@@ -60,7 +60,8 @@ def bench(url: str, label: str, args: argparse.Namespace, out: Path) -> dict:
     cmd = [sys.executable, "-m", "cli.main", "bench", "--url", url, "--label", label,
            "--concurrency", args.levels, "--prompt-tokens", str(args.prompt_tokens),
            "--output-tokens", str(args.output_tokens), "--json", str(out)]
-    cmd += ["--per-client", str(args.per_client)]
+    cmd += ["--per-client", str(args.per_client), "--temperature", str(args.temperature),
+            "--top-p", str(args.top_p)]
     subprocess.run(cmd, check=True)
     return json.loads(out.read_text())
 
@@ -226,6 +227,8 @@ def main() -> None:
     ap.add_argument("--per-client", type=int, default=1, help="requests per client per level")
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--output-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0, help="default 0: greedy")
+    ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--serve-args", default="", help="extra `localserve serve` flags")
     ap.add_argument("--from-json", action="store_true",
                     help="no runs: rewrite the table, plot and RESULTS.md from "

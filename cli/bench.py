@@ -51,6 +51,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rate", type=float, default=4.0, help="poisson: requests per second")
     p.add_argument("--prompt-tokens", type=int, default=128, help="about this many (words)")
     p.add_argument("--output-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature of every request (default 0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default 1: off)")
     p.add_argument("--jitter", type=float, default=0.25,
                    help="prompt and output lengths vary uniformly by this fraction")
     p.add_argument("--shared-prefix", type=int, default=0,
@@ -69,6 +72,10 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--{flag.replace('_', '-')} must be at least 1")
     if not 0 <= args.jitter < 1:
         raise ValueError("--jitter must be within 0..1")
+    if not 0 <= args.temperature <= 2:
+        raise ValueError("--temperature must be within 0..2")
+    if not 0 < args.top_p <= 1:
+        raise ValueError("--top-p must be above 0 and at most 1")
     report = asyncio.run(_bench(args, levels))
     _print(report)
     if args.json:
@@ -101,7 +108,8 @@ async def _bench(args: argparse.Namespace, levels: list[int]) -> dict[str, Any]:
         prefix = " ".join(rng.choice(WORDS) for _ in range(args.shared_prefix))
         out = {"url": args.url, "label": args.label or args.url, "model": model,
                "arrival": args.arrival, "prompt_tokens": args.prompt_tokens,
-               "output_tokens": args.output_tokens, "levels": []}
+               "output_tokens": args.output_tokens, "sampling": _sampling(args),
+               "levels": []}
         for c in levels:
             n = args.requests or max(8, args.per_client * c)
             jobs = [_job(rng, args, prefix) for _ in range(n)]
@@ -127,7 +135,15 @@ async def _first_model(http, url: str) -> str:
     return r.json()["data"][0]["id"]
 
 
-def _job(rng: random.Random, args: argparse.Namespace, prefix: str) -> tuple[list, int]:
+def _sampling(args: argparse.Namespace) -> dict[str, float]:
+    """The requests' sampling fields: greedy by default, as most comparisons want."""
+    fields = {"temperature": args.temperature}
+    if args.top_p < 1:
+        fields["top_p"] = args.top_p
+    return fields
+
+
+def _job(rng: random.Random, args: argparse.Namespace, prefix: str) -> tuple[list, int, dict]:
     def vary(n: int) -> int:
         return max(1, round(n * rng.uniform(1 - args.jitter, 1 + args.jitter)))
 
@@ -135,7 +151,7 @@ def _job(rng: random.Random, args: argparse.Namespace, prefix: str) -> tuple[lis
     messages = [{"role": "user", "content": f"Continue this list of words: {words}"}]
     if prefix:
         messages.insert(0, {"role": "system", "content": prefix})
-    return messages, vary(args.output_tokens)
+    return messages, vary(args.output_tokens), _sampling(args)
 
 
 async def _level(http, model: str, jobs: list, concurrency: int, args, bar) -> list[Result]:
@@ -144,8 +160,7 @@ async def _level(http, model: str, jobs: list, concurrency: int, args, bar) -> l
 
     async def client() -> None:
         while queue:
-            messages, max_tokens = queue.pop()
-            results.append(await _one(http, model, messages, max_tokens))
+            results.append(await _one(http, model, *queue.pop()))
             bar.update(1)
 
     if args.arrival == "closed":
@@ -168,9 +183,9 @@ async def _level(http, model: str, jobs: list, concurrency: int, args, bar) -> l
     return results
 
 
-async def _one(http, model: str, messages: list, max_tokens: int) -> Result:
+async def _one(http, model: str, messages: list, max_tokens: int, sampling: dict) -> Result:
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "stream": True,
-            "stream_options": {"include_usage": True}, "temperature": 0, "ignore_eos": True}
+            "stream_options": {"include_usage": True}, "ignore_eos": True, **sampling}
     result = Result()
     start = last = time.perf_counter()
     counted = 0

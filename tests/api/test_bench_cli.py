@@ -32,6 +32,21 @@ def test_bench_errors_are_counted_not_fatal(server, tmp_path):
     assert level["errors"] == 2 and "401" in level["first_error"]
 
 
+def test_bench_samples_when_asked(server, tmp_path):
+    """--temperature / --top-p go into every request (the default is greedy)."""
+    out_json = tmp_path / "bench.json"
+    assert main(["bench", "--url", server.url, "--api-key", API_KEY, "--concurrency", "2",
+                 "--requests", "2", "--prompt-tokens", "10", "--output-tokens", "6",
+                 "--temperature", "0.8", "--top-p", "0.9", "--json", str(out_json)]) == 0
+    report = json.loads(out_json.read_text())
+    assert report["sampling"] == {"temperature": 0.8, "top_p": 0.9}
+    [level] = report["levels"]
+    assert level["errors"] == 0 and level["output_tokens"] > 0
+
+
 def test_bench_bad_flags(capsys):
     assert main(["bench", "--concurrency", "0"]) == 1
     assert "--concurrency" in capsys.readouterr().err
+    for flag, value in (("--temperature", "-1"), ("--top-p", "0"), ("--top-p", "1.5")):
+        assert main(["bench", flag, value]) == 1
+        assert flag in capsys.readouterr().err
