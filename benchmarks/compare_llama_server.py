@@ -267,12 +267,9 @@ def run_all(args: argparse.Namespace) -> list[dict]:
 
 def machine_kind() -> str:
     """The kind of CPU a table is for (RESULTS.md keeps one table per shape and kind)."""
-    has = set()
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("flags"):
-                has = set(line.partition(":")[2].split())
-                break
+    from server.quant.native import cpu_flags
+
+    has = cpu_flags()
     return "amx" if "amx_tile" in has else "avx512" if "avx512_bf16" in has else "avx2"
 
 

@@ -68,11 +68,11 @@ class Sampler:
             picked = torch.searchsorted(cdf, (draws * cdf[:, -1])[:, None], right=True)[:, 0]
             picked.clamp_(max=cdf.shape[1] - 1)
             # A draw that rounds to the very top can land past the last token with any mass:
-            # never hand out a token of probability 0 (masked by a grammar, top-k or top-p).
+            # never hand out a token of probability 0 (masked by a grammar, top-k or top-p), but
+            # the row's most likely one, its greedy token (no host sync, no second argmax).
             empty = probs.gather(1, picked[:, None])[:, 0] == 0
-            if bool(empty.any()):
-                picked[empty] = probs[empty].argmax(dim=-1)
-            token_ids[rows] = picked.to(token_ids.device)
+            greedy = token_ids[rows]
+            token_ids[rows] = torch.where(empty, greedy, picked.to(greedy.device))
 
         if raw_logprobs is None:
             return SampleResult(token_ids, None, None, None)

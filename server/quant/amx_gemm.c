@@ -16,7 +16,8 @@
  *
  * Batch invariance: a tile row's sums depend on that row of x and the weights only, and every
  * row of a call takes the same instructions whatever the row count (rows are padded with zeros
- * to whole tiles; tile rows past the call's are never read back).
+ * to whole tiles, tile rows past the call's are never read back; a call of fewer than 16 rows
+ * sets its tiles to that many rows, which changes no row's sums).
  *
  * The kernel needs the process's permission for AMX state (Linux's arch_prctl
  * ARCH_REQ_XCOMP_PERM); amx_gemm_available() asks once and returns 0 where it is refused or the
@@ -167,7 +168,6 @@ static void block_amx(const uint16_t *xp, int64_t k, const float *xsum, int64_t 
             scale_group(acc, sums[(g - 1) % 2], blk + (g - 1) * group_bytes(group),
                         xsum + g - 1, groups, r);
     }
-    __asm__ volatile("" ::: "memory");
     scale_group(acc, sums[(groups - 1) % 2], blk + (groups - 1) * group_bytes(group),
                 xsum + groups - 1, groups, r);
     for (int i = 0; i < r; i++) {
