@@ -9,8 +9,9 @@ GGUF that `localserve pull smollm2-135m` starts from (out of the cached llm-smol
 written and pulled on first use). llama-server runs with `-t 2 --parallel 16 -c 32768 --jinja`
 (more context for prompts that would not fit a slot).
 A roofline row gives the tokens/s that reading the weights once per step at the machine's
-measured bandwidth allows. Writes benchmarks/results/compare-SHAPE-KIND.{json,md,png} and the table
-between the compare-SHAPE-KIND markers (KIND: amx, avx512 or avx2) of benchmarks/RESULTS.md.
+measured bandwidth allows. Writes benchmarks/results/compare-SHAPE-KIND.{json,md,png} and the
+table between the compare-SHAPE-KIND markers (KIND: amx, zen4, zen5, avx512 or avx2) of
+benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -270,7 +271,13 @@ def machine_kind() -> str:
     from server.quant.native import cpu_flags
 
     has = cpu_flags()
-    return "amx" if "amx_tile" in has else "avx512" if "avx512_bf16" in has else "avx2"
+    if "amx_tile" in has:
+        return "amx"
+    if "avx512_bf16" not in has:
+        return "avx2"
+    # AMD's AVX-512 BF16 cores differ 2x (Zen 4 splits 512-bit work in halves, Zen 5 does not)
+    family = re.search(r"\(family (\d+)\)", machine())
+    return {"25": "zen4", "26": "zen5"}.get(family and family.group(1), "avx512")
 
 
 def write_results(md: str, run: dict, shape: str) -> None:
@@ -285,7 +292,7 @@ def write_results(md: str, run: dict, shape: str) -> None:
     note = (f"\n`benchmarks/compare_llama_server.py {command}`, {run['date']}, "
             f"{run['machine']}, read bandwidth {bandwidth:.1f} GB/s:\n\n")
     if start not in text or end not in text:
-        other = re.search(rf"<!-- compare-{re.escape(shape)}-\w+:end -->\n", text)
+        other = re.search(rf"<!-- compare-{re.escape(shape)}-[\w-]+:end -->\n", text)
         if other is None:
             print(f"RESULTS.md has no compare-{shape}-* markers: not written")
             return
