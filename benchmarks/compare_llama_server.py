@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -143,8 +144,10 @@ def machine() -> str:
                 flags = value
     has = set(flags.split())
     yes = {True: "yes", False: "no"}
+    held = (", held to AVX2 (LOCALSERVE_CPU_KERNELS=avx2)"
+            if os.environ.get("LOCALSERVE_CPU_KERNELS") == "avx2" else "")
     return (f"{name} (family {family}), AVX-512 BF16 {yes['avx512_bf16' in has]}, "
-            f"AMX {yes['amx_tile' in has]}, {os.cpu_count()} cores")
+            f"AMX {yes['amx_tile' in has]}, {os.cpu_count()} cores{held}")
 
 
 def serve_localserve(tag: str, tmp: Path, args, gguf: Path) -> dict:
@@ -243,7 +246,7 @@ def main() -> None:
         run = json.loads(out(".json").read_text())
     else:
         run = {"machine": machine(), "kind": machine_kind(), "date": time.strftime("%Y-%m-%d"),
-               "command": " ".join(sys.argv[1:]), "reports": run_all(args)}
+               "command": shlex.join(sys.argv[1:]), "reports": run_all(args)}
         out(".json").write_text(json.dumps(run, indent=2))
     md = table(run["reports"])
     out(".md").write_text(md)
@@ -270,20 +273,26 @@ def machine_kind() -> str:
     """The kind of CPU a table is for (RESULTS.md keeps one table per shape and kind)."""
     from server.quant.native import cpu_flags
 
-    has = cpu_flags()
-    if "amx_tile" in has:
-        return "amx"
-    if "avx512_bf16" not in has:
-        return "avx2"
-    # AMD's AVX-512 BF16 cores differ 2x (Zen 4 splits 512-bit work in halves, Zen 5 does not)
     family = re.search(r"\(family (\d+)\)", machine())
-    return {"25": "zen4", "26": "zen5"}.get(family and family.group(1), "avx512")
+    return kind_of(cpu_flags(), family.group(1) if family else "",
+                   os.environ.get("LOCALSERVE_CPU_KERNELS") == "avx2")
 
 
-def write_results(md: str, run: dict, shape: str) -> None:
+def kind_of(flags: set[str], family: str, held_to_avx2: bool = False) -> str:
+    """amx, zen4, zen5, avx512 (another AVX-512 BF16 CPU) or avx2 (a machine held to AVX2 too:
+    its proxy). AMD's AVX-512 BF16 cores differ 2x: Zen 4 (family 25) splits 512-bit work in
+    halves, Zen 5 (26) does not."""
+    if held_to_avx2 or "avx512_bf16" not in flags:
+        return "avx2"
+    if "amx_tile" in flags:
+        return "amx"
+    return {"25": "zen4", "26": "zen5"}.get(family, "avx512")
+
+
+def write_results(md: str, run: dict, shape: str, readme: Path | None = None) -> None:
     """Replace the table between the compare-SHAPE-KIND markers of benchmarks/RESULTS.md (KIND:
     this machine's, machine_kind), or add them after another kind's table of the shape."""
-    readme = Path(__file__).parent / "RESULTS.md"
+    readme = readme or Path(__file__).parent / "RESULTS.md"
     text = readme.read_text()
     kind = run.get("kind") or machine_kind()
     start, end = f"<!-- compare-{shape}-{kind}:start -->", f"<!-- compare-{shape}-{kind}:end -->"

