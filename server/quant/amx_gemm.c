@@ -23,6 +23,7 @@
  * ARCH_REQ_XCOMP_PERM); amx_gemm_available() asks once and returns 0 where it is refused or the
  * compiler lacks AMX: the caller then takes avx512_gemm.c.
  */
+#define _GNU_SOURCE /* syscall() in unistd.h under -std=c11 (gcc 14 rejects implicit declarations) */
 #define int4_gemm int4_gemm_avx512
 #define int8_gemm int8_gemm_avx512
 #define avx512_gemm_available avx512_gemm_available_here
