@@ -129,9 +129,9 @@ def read_bandwidth() -> float:
     return x.numel() * 4 / statistics.median(times)
 
 
-def machine() -> str:
-    """lscpu's model name, with the CPU features that pick kernels."""
-    flags, name, family = "", "?", ""
+def cpu() -> tuple[str, str, set[str]]:
+    """/proc/cpuinfo's model name, CPU family and flags (of the first CPU)."""
+    name, family, flags = "?", "", None
     with open("/proc/cpuinfo") as f:
         for line in f:
             key, _, value = line.partition(":")
@@ -140,12 +140,21 @@ def machine() -> str:
                 name = value
             elif key == "cpu family" and not family:
                 family = value
-            elif key == "flags" and not flags:
-                flags = value
-    has = set(flags.split())
+            elif key == "flags" and flags is None:
+                flags = set(value.split())
+    return name, family, flags or set()
+
+
+def held_to_avx2() -> bool:
+    """A machine whose kernels are held to AVX2 (an AVX2 machine's proxy)."""
+    return os.environ.get("LOCALSERVE_CPU_KERNELS") == "avx2"
+
+
+def machine() -> str:
+    """lscpu's model name, with the CPU features that pick kernels."""
+    name, family, has = cpu()
     yes = {True: "yes", False: "no"}
-    held = (", held to AVX2 (LOCALSERVE_CPU_KERNELS=avx2)"
-            if os.environ.get("LOCALSERVE_CPU_KERNELS") == "avx2" else "")
+    held = ", held to AVX2 (LOCALSERVE_CPU_KERNELS=avx2)" if held_to_avx2() else ""
     return (f"{name} (family {family}), AVX-512 BF16 {yes['avx512_bf16' in has]}, "
             f"AMX {yes['amx_tile' in has]}, {os.cpu_count()} cores{held}")
 
@@ -271,11 +280,8 @@ def run_all(args: argparse.Namespace) -> list[dict]:
 
 def machine_kind() -> str:
     """The kind of CPU a table is for (RESULTS.md keeps one table per shape and kind)."""
-    from server.quant.native import cpu_flags
-
-    family = re.search(r"\(family (\d+)\)", machine())
-    return kind_of(cpu_flags(), family.group(1) if family else "",
-                   os.environ.get("LOCALSERVE_CPU_KERNELS") == "avx2")
+    _, family, flags = cpu()
+    return kind_of(flags, family, held_to_avx2())
 
 
 def kind_of(flags: set[str], family: str, held_to_avx2: bool = False) -> str:

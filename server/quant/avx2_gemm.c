@@ -45,15 +45,8 @@ static inline float bf16_to_float(uint16_t v) {
 
 #define ROWS 6 /* rows a pass over the weights: 12 int32 sums in registers (madd_acc) */
 #define GROUP_HEAD 128 /* bytes of scales and zeros before a group's nibbles */
-
-/* The first pass over a block asks for the weights PREFETCH bytes ahead of those it reads, as
- * avx512_gemm.c does (there the hardware's prefetchers alone left 2-6 rows half as fast). */
-#define PREFETCH 4096
-
-static inline void ahead(const void *p, int64_t bytes) {
-    for (int64_t off = 0; off < bytes; off += 64)
-        _mm_prefetch((const char *)p + PREFETCH + off, _MM_HINT_T0);
-}
+/* ahead(): the first pass over a block prefetches its weights */
+#include "prefetch.h"
 
 static inline int64_t group_bytes(int64_t group) { return GROUP_HEAD + group * 16; }
 

@@ -23,17 +23,10 @@
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
 
+/* ahead(): the first pass over a block prefetches its weights */
+#include "prefetch.h"
+
 #define ROWS 6
-
-/* The first pass over a block asks for the weights PREFETCH bytes ahead of those it reads: the
- * hardware's prefetchers alone left 2-6 rows compute-bound and memory-bound in turn (Zen 5,
- * weights streamed from memory: 4 rows 19-23 GB/s, 33-40 with it; one row 40 against 43-48). */
-#define PREFETCH 4096
-
-static inline void ahead(const void *p, int64_t bytes) {
-    for (int64_t off = 0; off < bytes; off += 64)
-        _mm_prefetch((const char *)p + PREFETCH + off, _MM_HINT_T0);
-}
 
 /* Rows [0, r) of x, inputs (2p, 2p + 1), against two vectors of 16 outputs' weight pairs. */
 static inline void dp_rows(__m512 *a0, __m512 *a1, const uint16_t *x, int64_t k, int64_t p,

@@ -103,14 +103,19 @@ def _build(source: Path) -> Path:
     return target
 
 
-def _sources(source: Path) -> list[bytes]:
-    """The source's bytes and those of the files beside it that it includes ("name.h")."""
+def _sources(source: Path, seen: set[Path] | None = None) -> list[bytes]:
+    """The source's bytes and those of the files beside it that it includes ("name.h"), and
+    theirs in turn (amx_gemm.c includes avx512_gemm.c, which includes prefetch.h)."""
+    seen = set() if seen is None else seen
+    seen.add(source)
     text = source.read_bytes()
     parts = [text]
     for line in text.decode(errors="replace").splitlines():
         name = line.strip().removeprefix("#include").strip()
         if line.lstrip().startswith("#include") and name.startswith('"') and name.endswith('"'):
-            parts.append(source.with_name(name.strip('"')).read_bytes())
+            included = source.with_name(name.strip('"'))
+            if included not in seen:
+                parts += _sources(included, seen)
     return parts
 
 

@@ -445,6 +445,22 @@ def test_a_helper_is_rebuilt_when_a_header_it_includes_changes(tmp_path, monkeyp
     assert second != first and ctypes.CDLL(str(second)).answer() == 2
 
 
+def test_a_helper_is_rebuilt_when_a_file_its_includes_include_changes(tmp_path, monkeypatch):
+    """amx_gemm.c includes avx512_gemm.c, which includes prefetch.h: two levels down counts."""
+    from server.quant import native
+
+    monkeypatch.setenv("LOCALSERVE_HOME", str(tmp_path / "home"))
+    (tmp_path / "inner.h").write_text("int answer(void) { return 1; }\n")
+    (tmp_path / "outer.c").write_text('#include "inner.h"\n')
+    source = tmp_path / "whole.c"
+    source.write_text('#include "outer.c"\n')
+    first = native._build(source)
+    (tmp_path / "inner.h").write_text("int answer(void) { return 2; }\n")
+    second = native._build(source)
+    assert second != first and ctypes.CDLL(str(second)).answer() == 2
+    assert len(native._sources(source)) == 3
+
+
 @pytest.mark.skipif(not {"avx2", "fma"} <= FLAGS, reason="PyTorch's AVX2 kernels need AVX2")
 def test_the_unpack_helper_reads_pytorchs_pack_on_avx2_cpus_too():
     """PyTorch packs int4 for its CPU kernels in blocks of 64 outputs under AVX-512 and of 32
