@@ -83,21 +83,29 @@ class BatchWorker:
             self.wake.clear()
 
     async def tick(self) -> None:
+        for batch in await self.state.db.run(self.store.active):
+            try:
+                await self._step(batch)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - one batch's fault must not stall the others
+                log.exception("batch %s: step failed", batch["id"])
+
+    async def _step(self, batch: dict[str, Any]) -> None:
         db = self.state.db
-        for batch in await db.run(self.store.active):
-            status = batch["status"]
-            if status == "validating":
-                await self._validate(batch)
-            elif status == "cancelling":
-                await self._close(batch, "cancelled", "batch_cancelled",
-                                  "The batch was cancelled before this request ran.")
-            elif status == "finalizing":
-                await db.run(self.store.finalize, batch["id"], "completed")
-            elif time.time() >= batch["expires_at"]:
-                await self._close(batch, "expired", "batch_expired", "This request could not "
-                                  "be executed before the completion window expired.")
-            else:
-                await self._feed(batch)
+        status = batch["status"]
+        if status == "validating":
+            await self._validate(batch)
+        elif status == "cancelling":
+            await self._close(batch, "cancelled", "batch_cancelled",
+                              "The batch was cancelled before this request ran.")
+        elif status == "finalizing":
+            await db.run(self.store.finalize, batch["id"], "completed")
+        elif time.time() >= batch["expires_at"]:
+            await self._close(batch, "expired", "batch_expired", "This request could not "
+                              "be executed before the completion window expired.")
+        else:
+            await self._feed(batch)
 
     # -- validating --------------------------------------------------------------------------
 
@@ -107,8 +115,16 @@ class BatchWorker:
         if file is None:
             errors = [_error("missing_file", None, "The input file was deleted.")]
         else:
-            errors, lines = await asyncio.to_thread(self._check_lines, batch,
-                                                    state.files.path(file))
+            try:
+                errors, lines = await asyncio.to_thread(self._check_lines, batch,
+                                                        state.files.path(file))
+            except OSError as e:  # gone from disk or unreadable: the batch cannot run
+                errors = [_error("unreadable_file", None, "The input file could not be read "
+                                 f"({e.strerror or e}).")]
+            except Exception as e:  # noqa: BLE001 - a fault of ours: fail it, not retry forever
+                log.exception("batch %s: validation failed", batch["id"])
+                errors = [_error("validation_failed", None, "The input file could not be "
+                                 f"validated: {type(e).__name__}.")]
         if errors:
             await state.db.run(self.store.fail, batch["id"], errors[:MAX_ERRORS])
             log.info("batch %s failed validation: %s", batch["id"], errors[0]["message"])
@@ -146,7 +162,7 @@ class BatchWorker:
                     ) -> dict[str, Any] | tuple[str, str]:
         try:
             item = json.loads(raw)
-        except (UnicodeDecodeError, ValueError):
+        except (UnicodeDecodeError, ValueError, RecursionError):
             return _error("invalid_json_line", None, "This line is not valid JSON.")
         if not isinstance(item, dict):
             return _error("invalid_json_line", None, "This line is not a JSON object.")

@@ -123,8 +123,11 @@ async def get_file(request: Request) -> Response:
 async def file_content(request: Request) -> Response:
     state: ServerState = request.app.state.server
     row = await _row(request)
-    return FileResponse(state.files.path(row), media_type="application/octet-stream",
-                        filename=row["filename"])
+    path = state.files.path(row)
+    if not path.is_file():  # removed outside the server: say so, not a 500 naming the path
+        raise APIError(404, f"The content of file {row['id']} is no longer on this server's "
+                       "disk.", code="file_content_missing")
+    return FileResponse(path, media_type="application/octet-stream", filename=row["filename"])
 
 
 async def delete_file(request: Request) -> Response:

@@ -29,6 +29,8 @@ def parse_json(raw: bytes) -> dict[str, Any]:
         body = json.loads(raw)
     except (UnicodeDecodeError, ValueError) as e:
         raise invalid(None, f"The request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise invalid(None, "The request body is not valid JSON: nested too deeply.") from None
     if not isinstance(body, dict):
         raise invalid(None, "The request body must be a JSON object.")
     return body

@@ -195,7 +195,7 @@ def _read_calls(body: str) -> list[tuple[str, str]] | None:
     """Calls in a tag body of any common shape, or None if it is no call."""
     try:
         value = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     items = value if isinstance(value, list) else [value]
     calls = []

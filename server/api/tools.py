@@ -205,7 +205,7 @@ def parsed_arguments(arguments: str) -> Any:
     """A call's `arguments` string as JSON where it parses (templates expect an object)."""
     try:
         return json.loads(arguments)
-    except ValueError:
+    except (ValueError, RecursionError):
         return arguments
 
 

@@ -31,7 +31,11 @@ def chat_line(i: int, max_tokens: int = 6, url: str = "/v1/chat/completions", **
 
 def submit(client, lines: list[dict], endpoint: str = "/v1/chat/completions", **kw):
     f = client.files.create(file=("input.jsonl", jsonl(lines)), purpose="batch")
-    return client.batches.create(input_file_id=f.id, endpoint=endpoint,
+    return submit_file(client, f.id, endpoint, **kw)
+
+
+def submit_file(client, file_id: str, endpoint: str = "/v1/chat/completions", **kw):
+    return client.batches.create(input_file_id=file_id, endpoint=endpoint,
                                  completion_window="24h", **kw)
 
 
@@ -131,6 +135,7 @@ def test_a_batch_of_schema_lines_completes_with_every_line_valid(client):
 
 @pytest.mark.parametrize(("make_lines", "line", "code"), [
     (lambda: [chat_line(0), "{oops"], 2, "invalid_json_line"),
+    (lambda: [chat_line(0), "[" * 100_000], 2, "invalid_json_line"),
     (lambda: [chat_line(0), chat_line(0)], 2, "duplicate_custom_id"),
     (lambda: [chat_line(0), chat_line(1, url="/v1/completions")], 2, "invalid_url"),
     (lambda: [chat_line(0) | {"method": "GET"}], 1, "invalid_method"),
@@ -254,6 +259,19 @@ def test_files_routes(client):
     assert client.files.delete(f.id).deleted
     with pytest.raises(openai.NotFoundError):
         client.files.retrieve(f.id)
+
+
+def test_an_input_file_gone_from_disk_fails_its_batch_and_the_queue_goes_on(client, server):
+    f = client.files.create(file=("gone.jsonl", jsonl([chat_line(0)])), purpose="batch")
+    (server.home / "files" / f.id).unlink()  # lost outside the server (disk, a person)
+    with pytest.raises(openai.NotFoundError) as e:
+        client.files.content(f.id)
+    assert "no longer" in e.value.body["message"]
+    lost = submit_file(client, f.id)
+    after = submit(client, [chat_line(1)])
+    lost, after = wait(client, lost.id), wait(client, after.id)
+    assert lost.status == "failed" and lost.errors.data[0].code == "unreadable_file"
+    assert after.status == "completed" and after.request_counts.completed == 1
 
 
 def test_a_key_sees_only_its_own_files_and_batches(client, server):

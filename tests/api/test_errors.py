@@ -119,7 +119,8 @@ def test_invalid_completion_fields_name_the_param(http, body, param):
     assert_error(http.post(COMPLETIONS, json=body), 400, param)
 
 
-@pytest.mark.parametrize("content", [b"{not json", b"[1, 2]", b'"text"', b"\xff\xfe"])
+@pytest.mark.parametrize("content", [b"{not json", b"[1, 2]", b'"text"', b"\xff\xfe",
+                                     b'{"a": ' + b"[" * 100_000])  # nested past the parser's depth
 def test_body_that_is_not_a_json_object(http, content):
     r = http.post(CHAT, content=content, headers={"Content-Type": "application/json"})
     assert_error(r, 400, None)

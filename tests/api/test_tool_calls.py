@@ -41,6 +41,9 @@ CASES = [
     # cut off by max_tokens inside the arguments: the call so far
     ('<tool_call>\n{"name": "a", "arguments": {"x": 1, "y"', "", [("a", '{"x": 1, "y"')]),
     ("no calls at all  \n", "no calls at all  \n", []),
+    # nested past the JSON parser's depth: no call, the text stays
+    ("<tool_call>" + "[" * 5000 + "</tool_call> x", "<tool_call>" + "[" * 5000 + "</tool_call> x",
+     []),
 ]
 
 
@@ -99,6 +102,10 @@ def test_a_template_without_tools_gets_them_in_the_system_prompt_and_tool_turns(
     out, tools = tool_messages(messages, use, native)
     assert tools == [spec] and out[2]["tool_calls"][0]["function"]["arguments"] == \
         {"city": "Paris"}
+    # arguments nested past the JSON parser's depth go to the template as the string they are
+    messages[2]["tool_calls"][0]["function"]["arguments"] = "[" * 100_000
+    out, _ = tool_messages(messages, use, native)
+    assert out[2]["tool_calls"][0]["function"]["arguments"] == "[" * 100_000
 
 
 @pytest.mark.parametrize("stream", [False, True])
