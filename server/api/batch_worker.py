@@ -17,6 +17,7 @@ import time
 import uuid
 from typing import Any
 
+from server.api.body import loads
 from server.api.chat import chat_answer
 from server.api.completions import completion_answer
 from server.api.embeddings import embeddings_answer
@@ -161,8 +162,8 @@ class BatchWorker:
     def _check_line(self, batch: dict[str, Any], raw: bytes, seen: set[str]
                     ) -> dict[str, Any] | tuple[str, str]:
         try:
-            item = json.loads(raw)
-        except (UnicodeDecodeError, ValueError, RecursionError):
+            item = loads(raw)
+        except ValueError:
             return _error("invalid_json_line", None, "This line is not valid JSON.")
         if not isinstance(item, dict):
             return _error("invalid_json_line", None, "This line is not a JSON object.")

@@ -6,7 +6,6 @@ ignored); fields nobody defines are refused as OpenAI does ("Unrecognized reques
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,19 +20,6 @@ MAX_N = 16
 MAX_TOP_LOGPROBS = 20
 MAX_STOP = 16
 INT64 = (-(2**63), 2**63 - 1)  # every integer field fits the engine's int64 (seeds, counts)
-
-
-def parse_json(raw: bytes) -> dict[str, Any]:
-    """The request body as a JSON object, or 400."""
-    try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, ValueError) as e:
-        raise invalid(None, f"The request body is not valid JSON: {e}") from None
-    except RecursionError:
-        raise invalid(None, "The request body is not valid JSON: nested too deeply.") from None
-    if not isinstance(body, dict):
-        raise invalid(None, "The request body must be a JSON object.")
-    return body
 
 
 class Fields:

@@ -15,6 +15,7 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
 from server.api.tools import CALL_CLOSE, CALL_OPEN
 
@@ -203,9 +204,19 @@ def _read_calls(body: str) -> list[tuple[str, str]] | None:
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
             return None
         args = item.get("arguments", item.get("parameters", {}))
-        calls.append((item["name"], args if isinstance(args, str) else
-                      json.dumps(args, ensure_ascii=False)))
+        calls.append((item["name"], args if isinstance(args, str) else _json_text(args)))
     return calls
+
+
+def _json_text(value: Any) -> str:
+    """value as JSON text, as UTF-8 as it can be: an unpaired surrogate the model escaped
+    ("\\ud800") stays escaped, since no UTF-8 response can hold it."""
+    text = json.dumps(value, ensure_ascii=False)
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return json.dumps(value)
+    return text
 
 
 def _held_back(text: str) -> int:

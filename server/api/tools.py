@@ -18,6 +18,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from server.api.body import loads
 from server.api.errors import invalid, unsupported
 from server.api.structured import NAME
 from server.engine.grammar import JSON_OPTIONS
@@ -204,8 +205,8 @@ def call_json(call: dict[str, Any]) -> str:
 def parsed_arguments(arguments: str) -> Any:
     """A call's `arguments` string as JSON where it parses (templates expect an object)."""
     try:
-        return json.loads(arguments)
-    except (ValueError, RecursionError):
+        return loads(arguments)
+    except ValueError:
         return arguments
 
 

@@ -136,6 +136,8 @@ def test_a_batch_of_schema_lines_completes_with_every_line_valid(client):
 @pytest.mark.parametrize(("make_lines", "line", "code"), [
     (lambda: [chat_line(0), "{oops"], 2, "invalid_json_line"),
     (lambda: [chat_line(0), "[" * 100_000], 2, "invalid_json_line"),
+    (lambda: [chat_line(0), json.dumps(chat_line(1)).replace("Question", "\\udfff")], 2,
+     "invalid_json_line"),
     (lambda: [chat_line(0), chat_line(0)], 2, "duplicate_custom_id"),
     (lambda: [chat_line(0), chat_line(1, url="/v1/completions")], 2, "invalid_url"),
     (lambda: [chat_line(0) | {"method": "GET"}], 1, "invalid_method"),

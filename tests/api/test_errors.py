@@ -120,7 +120,10 @@ def test_invalid_completion_fields_name_the_param(http, body, param):
 
 
 @pytest.mark.parametrize("content", [b"{not json", b"[1, 2]", b'"text"', b"\xff\xfe",
-                                     b'{"a": ' + b"[" * 100_000])  # nested past the parser's depth
+                                     b'{"a": ' + b"[" * 100_000,  # nested past the parser's depth
+                                     # an unpaired surrogate: no UTF-8 text holds it (was a 500)
+                                     b'{"model": "m", "messages": [{"role": "user", "content": '
+                                     b'"a\\ud800b"}], "stream": true}'])
 def test_body_that_is_not_a_json_object(http, content):
     r = http.post(CHAT, content=content, headers={"Content-Type": "application/json"})
     assert_error(r, 400, None)

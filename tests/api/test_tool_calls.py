@@ -41,6 +41,11 @@ CASES = [
     # cut off by max_tokens inside the arguments: the call so far
     ('<tool_call>\n{"name": "a", "arguments": {"x": 1, "y"', "", [("a", '{"x": 1, "y"')]),
     ("no calls at all  \n", "no calls at all  \n", []),
+    # an unpaired surrogate the model escaped (no UTF-8 text holds it): it stays escaped
+    ('<tool_call>{"name": "a", "arguments": {"x": "\\ud800"}}</tool_call>', "",
+     [("a", '{"x": "\\ud800"}')]),
+    ('<tool_call>{"parameters": {"x": "\\ud800\\u00e9"}, "name": "a"}</tool_call>', "",
+     [("a", '{"x": "\\ud800\\u00e9"}')]),
     # nested past the JSON parser's depth: no call, the text stays
     ("<tool_call>" + "[" * 5000 + "</tool_call> x", "<tool_call>" + "[" * 5000 + "</tool_call> x",
      []),
