@@ -70,7 +70,10 @@ class ToolCallParser:
         """The end of the output: whatever was held back."""
         out = self.feed("")
         if self._in_tag and not self._streamed:
-            out.content += self._gap + CALL_OPEN + self._body + self._text  # never a call
+            body = self._body + self._text
+            if not body.lstrip().startswith(("{", "[")):  # never a call: the text as written
+                out.content += self._gap + CALL_OPEN + body
+            # else a call cut (max_tokens, a stop) before its name: no call, and no markup
         elif not self._in_tag:
             out.content += self._text if not self.calls else self._text.rstrip()
         self._text = ""

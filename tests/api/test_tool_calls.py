@@ -38,6 +38,11 @@ CASES = [
     # not a call: the text stays content, untouched
     ("a <tool_call>not json</tool_call> b <tool_c", "a <tool_call>not json</tool_call> b "
      "<tool_c", []),
+    # cut off by max_tokens before the name: no call, and no markup in the content
+    ('Sure. <tool_call>\n{"name": "get_w', "Sure.", []),
+    ("<tool_call>\n[", "", []),
+    # an unclosed tag that holds no JSON: the text as written
+    ("a <tool_call>maybe", "a <tool_call>maybe", []),
     # cut off by max_tokens inside the arguments: the call so far
     ('<tool_call>\n{"name": "a", "arguments": {"x": 1, "y"', "", [("a", '{"x": 1, "y"')]),
     ("no calls at all  \n", "no calls at all  \n", []),
