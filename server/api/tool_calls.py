@@ -71,8 +71,8 @@ class ToolCallParser:
         out = self.feed("")
         if self._in_tag and not self._streamed:
             body = self._body + self._text
-            if not body.lstrip().startswith(("{", "[")):  # never a call: the text as written
-                out.content += self._gap + CALL_OPEN + body
+            if body.strip() and not body.lstrip().startswith(("{", "[")):  # never a call
+                out.content += self._gap + CALL_OPEN + body  # the text as written
             # else a call cut (max_tokens, a stop) before its name: no call, and no markup
         elif not self._in_tag:
             out.content += self._text if not self.calls else self._text.rstrip()

@@ -41,6 +41,7 @@ CASES = [
     # cut off by max_tokens before the name: no call, and no markup in the content
     ('Sure. <tool_call>\n{"name": "get_w', "Sure.", []),
     ("<tool_call>\n[", "", []),
+    ("Sure.\n<tool_call>\n", "Sure.", []),
     # an unclosed tag that holds no JSON: the text as written
     ("a <tool_call>maybe", "a <tool_call>maybe", []),
     # cut off by max_tokens inside the arguments: the call so far
