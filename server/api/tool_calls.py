@@ -197,7 +197,7 @@ class _ArgsScanner:
 
 def _read_calls(body: str) -> list[tuple[str, str]] | None:
     """Calls in a tag body of any common shape, or None if it is no call."""
-    try:
+    try:  # not body.loads: a surrogate the model escaped keeps its call (_json_text)
         value = json.loads(body)
     except (ValueError, RecursionError):
         return None
