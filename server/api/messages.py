@@ -30,6 +30,12 @@ def parse_messages(v: Any) -> list[dict[str, Any]]:
                           f"Supported values are: {', '.join(map(repr, ROLES))}.")
         calls = _tool_calls(m.get("tool_calls"), f"{where}.tool_calls", role)
         content = _content(m.get("content"), f"{where}.content", role, bool(calls))
+        refusal = m.get("refusal")
+        if refusal is not None and not isinstance(refusal, str):
+            raise invalid(f"{where}.refusal", f"Invalid type for '{where}.refusal': expected "
+                          "a string.")
+        if refusal and not content:  # what the assistant said was its refusal
+            content = refusal
         allowed = MESSAGE_FIELDS[role]
         for key in m:
             if key not in allowed:
@@ -94,9 +100,11 @@ def _content(v: Any, where: str, role: str, has_calls: bool = False) -> str:
         p = f"{where}[{j}]"
         if not isinstance(part, dict) or not isinstance(part.get("type"), str):
             raise invalid(p, f"Invalid content part '{p}': expected an object with a 'type'.")
-        if part["type"] != "text":
+        # an assistant's past refusal is what it said, in its words
+        field = "refusal" if part["type"] == "refusal" and role == "assistant" else "text"
+        if part["type"] != field:
             raise unsupported(f"{p}.type", f"content parts of type {part['type']!r}")
-        if not isinstance(part.get("text"), str):
-            raise invalid(f"{p}.text", f"Invalid type for '{p}.text': expected a string.")
-        texts.append(part["text"])
+        if not isinstance(part.get(field), str):
+            raise invalid(f"{p}.{field}", f"Invalid type for '{p}.{field}': expected a string.")
+        texts.append(part[field])
     return "\n".join(texts)

@@ -67,6 +67,20 @@ def ascii_window(text: str, start: int) -> str:
     raise AssertionError(f"no printable pair in {text!r}")
 
 
+def test_a_past_refusal_is_history_like_any_assistant_text(client):
+    said = "I can't help with that."
+    ask = {"role": "user", "content": "Why not?"}
+    plain = client.chat.completions.create(
+        model=MODEL, messages=[*HELLO, {"role": "assistant", "content": said}, ask],
+        max_tokens=8, logit_bias=LETTERS, **GREEDY)
+    for refused in ({"role": "assistant", "content": [{"type": "refusal", "refusal": said}]},
+                    {"role": "assistant", "content": None, "refusal": said}):
+        r = client.chat.completions.create(model=MODEL, messages=[*HELLO, refused, ask],
+                                           max_tokens=8, logit_bias=LETTERS, **GREEDY)
+        assert r.usage.prompt_tokens == plain.usage.prompt_tokens
+        assert r.choices[0].message.content == plain.choices[0].message.content
+
+
 def test_stop_string_ends_the_text_and_is_never_streamed(client):
     kw = dict(model=MODEL, messages=HELLO, max_tokens=40, logit_bias=LETTERS, **GREEDY)
     full = client.chat.completions.create(**kw).choices[0].message.content
