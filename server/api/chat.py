@@ -43,15 +43,7 @@ async def _start(state: ServerState, req: ChatRequest, salt: str, priority: int)
 def _logprobs(token_text: TokenText, chunk: CompletionChunk) -> dict[str, Any] | None:
     if chunk.logprobs is None:
         return None
-    content = []
-    for token_id, lp, tops in chunk.logprobs:
-        text, raw = token_text(token_id)
-        content.append({
-            "token": text, "logprob": lp, "bytes": raw,
-            "top_logprobs": [{"token": token_text(t)[0], "logprob": v,
-                              "bytes": token_text(t)[1]} for t, v in tops],
-        })
-    return {"content": content, "refusal": None}
+    return {"content": token_text.entries(chunk.logprobs), "refusal": None}
 
 
 class _Run:

@@ -23,7 +23,7 @@ from server.api.auth import tenant
 from server.api.errors import APIError, invalid
 from server.api.files import int_param, page
 from server.api.responses_protocol import ResponsesRequest, parse_responses_request
-from server.api.serving import Generation, answer_for_batch, respond
+from server.api.serving import Generation, TokenText, answer_for_batch, respond
 from server.api.state import ServerState
 from server.api.turn import Turn, pieces, start_turn
 from server.api.usage import TokenCount
@@ -134,7 +134,10 @@ class _Output:
         self._open: dict[str, Any] | None = None
         self._call_items: dict[int, dict[str, Any]] = {}  # the parser's call index -> item
 
-    def text(self, delta: str) -> list[dict[str, Any]]:
+    def text(self, delta: str, logprobs: list[dict[str, Any]] | None = None
+             ) -> list[dict[str, Any]]:
+        """`logprobs`: the tokens' (with include message.output_text.logprobs), else none."""
+        logprobs = logprobs or []
         events = []
         if self._open is None or self._open["type"] != "message":
             events += self.close()
@@ -144,11 +147,16 @@ class _Output:
             part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
             self._open["content"].append(part)
             events.append({"type": "response.content_part.added", **self._where(),
-                           "content_index": 0, "part": dict(part)})
+                           "content_index": 0, "part": dict(part, logprobs=[])})
         self._open["content"][0]["text"] += delta
+        self._open["content"][0]["logprobs"] += logprobs
         events.append({"type": "response.output_text.delta", **self._where(),
-                       "content_index": 0, "delta": delta, "logprobs": []})
+                       "content_index": 0, "delta": delta, "logprobs": logprobs})
         return events
+
+
+    def is_writing_text(self) -> bool:
+        return self._open is not None and self._open["type"] == "message"
 
     def call(self, index: int, call_id: str | None, name: str | None, arguments: str
              ) -> list[dict[str, Any]]:
@@ -176,9 +184,9 @@ class _Output:
         if item["type"] == "message":
             part = item["content"][0]
             events += [{"type": "response.output_text.done", **where, "content_index": 0,
-                        "text": part["text"], "logprobs": []},
+                        "text": part["text"], "logprobs": list(part["logprobs"])},
                        {"type": "response.content_part.done", **where, "content_index": 0,
-                        "part": dict(part)}]
+                        "part": dict(part, logprobs=list(part["logprobs"]))}]
         else:
             events.append({"type": "response.function_call_arguments.done", **where,
                            "name": item["name"], "arguments": item["arguments"]})
@@ -199,7 +207,8 @@ class _Output:
 def _copy(item: dict[str, Any]) -> dict[str, Any]:
     out = dict(item)
     if "content" in out:
-        out["content"] = [dict(p) for p in out["content"]]
+        out["content"] = [dict(p, logprobs=list(p["logprobs"])) if "logprobs" in p else dict(p)
+                          for p in out["content"]]
     return out
 
 
@@ -210,6 +219,7 @@ class _Run:
         self.conversation, self.owner = conversation, owner
         self.count = TokenCount(turn.num_prompt_tokens)
         self.created_at = int(time.time())
+        self.token_text = TokenText(state.tokenizer)
 
     def _response(self, status: str, output: list[dict[str, Any]],
                   finish: str | None = None) -> dict[str, Any]:
@@ -230,16 +240,27 @@ class _Run:
         """Each piece's stream events; the last list holds the finished response's event."""
         out = _Output()
         finish = None
+        # logprobs of tokens not yet shown as text (a character's first bytes, a possible
+        # call's opening) go with the next text, the last ones (the end of turn, bytes that
+        # never made a character) in a last delta of no text: every token chat would give,
+        # but a call's own
+        pending: list[dict[str, Any]] = []
         async for piece in pieces(self.turn):
             self.count.add(piece.chunk)
-            events = out.text(piece.content) if piece.content else []
+            pending += self.token_text.entries(piece.chunk.logprobs or [])
+            events = []
+            if piece.content:
+                events, pending = out.text(piece.content, pending), []
+            if piece.calls:
+                pending = []
             for d in piece.calls:
                 events += out.call(d.index, d.id, d.name, d.arguments)
             if piece.finish_reason is not None:
                 finish = piece.finish_reason
             yield events
-        if not out.items:  # an empty answer is an empty message
-            yield out.text("")[:-1]
+        if not out.items or pending and out.is_writing_text():
+            events = out.text("", pending)  # an empty answer is an empty message
+            yield events if pending else events[:-1]
         status = "incomplete" if finish == "length" else "completed"
         events = out.close(status)
         response = self._response(status, [_copy(i) for i in out.items], finish)

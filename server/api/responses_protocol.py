@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from server.api.errors import APIError, invalid, unsupported
-from server.api.protocol import ChatRequest, Fields
+from server.api.protocol import MAX_TOP_LOGPROBS, ChatRequest, Fields
 from server.api.structured import parse_response_format
 from server.api.tools import parse_tools
 from server.engine.sequence import SamplingParams
@@ -66,8 +66,12 @@ def parse_responses_request(body: dict[str, Any], vocab_size: int) -> ResponsesR
     metadata = f.raw("metadata")
     if metadata is not None and not isinstance(metadata, dict):
         raise invalid("metadata", "Invalid type for 'metadata': expected an object.")
+    include = _include(f.raw("include"))
+    top = f.int("top_logprobs", 0, lo=0, hi=MAX_TOP_LOGPROBS)
+    logprobs = LOGPROBS in include  # top_logprobs alone: empty logprobs, as OpenAI gives
     params = SamplingParams(temperature=f.float("temperature", 1.0, 0.0, 2.0),
-                            top_p=f.float("top_p", 1.0, 0.0, 1.0, lo_open=True))
+                            top_p=f.float("top_p", 1.0, 0.0, 1.0, lo_open=True),
+                            logprobs=logprobs, top_logprobs=top if logprobs else 0)
     user = f.str("user")
     f.str("safety_identifier")
     f.str("prompt_cache_key")  # prefix caching is automatic
@@ -75,8 +79,6 @@ def parse_responses_request(body: dict[str, Any], vocab_size: int) -> ResponsesR
     f.refuse("truncation", (None, "disabled"), "truncation 'auto'")
     f.refuse("background", (None, False), "background responses")
     f.refuse("reasoning", (None,), "reasoning settings")
-    f.refuse("include", (None,), "extra output fields")
-    f.refuse("top_logprobs", (None, 0), "logprobs")
     f.refuse("conversation", (None,), "conversations; use previous_response_id")
     f.refuse("prompt", (None,), "prompt templates")
     f.refuse("max_tool_calls")
@@ -89,8 +91,30 @@ def parse_responses_request(body: dict[str, Any], vocab_size: int) -> ResponsesR
             "previous_response_id": previous, "store": store,
             "temperature": params.temperature, "top_p": params.top_p,
             "text": text_echo, "tool_choice": choice if choice is not None else "auto",
+            "top_logprobs": top,
             "tools": raw_tools or [], "truncation": "disabled", "user": user}
     return ResponsesRequest(chat, instructions, previous, store, echo)
+
+
+# What `include` may name. Only the logprobs add anything here: the others belong to tools,
+# image inputs and reasoning items that localserve's responses never hold.
+LOGPROBS = "message.output_text.logprobs"
+INCLUDABLE = (LOGPROBS, "reasoning.encrypted_content", "message.input_image.image_url",
+              "file_search_call.results", "web_search_call.action.sources",
+              "code_interpreter_call.outputs",
+              "computer_call_output.output.image_url")
+
+
+def _include(v: Any) -> set[str]:
+    if v is None:
+        return set()
+    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+        raise invalid("include", "Invalid type for 'include': expected an array of strings.")
+    for x in v:
+        if x not in INCLUDABLE:
+            raise invalid("include", f"Invalid value for 'include': {x!r}. Supported values "
+                          f"are: {', '.join(map(repr, INCLUDABLE))}.")
+    return set(v)
 
 
 def _input(v: Any) -> list[dict[str, Any]]:

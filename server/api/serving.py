@@ -216,3 +216,14 @@ class TokenText:
             hit = self._cache[token_id] = (text, list(raw))
         return hit
 
+    def entries(self, logprobs: list) -> list[dict[str, Any]]:
+        """An engine chunk's (token, logprob, top alternatives) as OpenAI's logprob objects
+        (chat's `logprobs.content`, the Responses API's output_text `logprobs`)."""
+        out = []
+        for token_id, lp, tops in logprobs:
+            text, raw = self(token_id)
+            out.append({"token": text, "logprob": lp, "bytes": raw,
+                        "top_logprobs": [{"token": self(t)[0], "logprob": v,
+                                          "bytes": self(t)[1]} for t, v in tops]})
+        return out
+

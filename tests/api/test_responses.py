@@ -165,6 +165,36 @@ def test_required_function_call_and_its_output_sent_back(client):
     assert follow.usage.input_tokens > r.usage.input_tokens
 
 
+def test_included_logprobs_are_chat_s_for_the_same_turn(client):
+    said = [{"role": "user", "content": "Say hi"}]  # a first token 0.46 above the next
+    kwargs = dict(model=MODEL, input=said, include=["message.output_text.logprobs"],
+                  top_logprobs=2, max_output_tokens=12, **GREEDY)
+    r = client.responses.create(**kwargs)
+    chat = client.chat.completions.create(model=MODEL, messages=said, logprobs=True,
+                                          top_logprobs=2, max_tokens=12, **GREEDY)
+    part = r.output[0].content[0]
+    assert part.text == chat.choices[0].message.content
+    want = [lp.model_dump() for lp in chat.choices[0].logprobs.content]
+    assert [lp.model_dump() for lp in part.logprobs] == want and want
+    assert all(len(lp["top_logprobs"]) == 2 for lp in want) and r.top_logprobs == 2
+    assert len(want) == r.usage.output_tokens
+
+    events = list(client.responses.create(stream=True, **kwargs))
+    streamed = [lp.model_dump() for e in events if e.type == "response.output_text.delta"
+                for lp in e.logprobs]
+    [added] = [e.part for e in events if e.type == "response.content_part.added"]
+    [done] = [e for e in events if e.type == "response.output_text.done"]
+    assert streamed == want and [lp.model_dump() for lp in done.logprobs] == want
+    assert added.logprobs == []
+    final = events[-1].response.output[0].content[0]
+    assert [lp.model_dump() for lp in final.logprobs] == want
+
+    # top_logprobs alone asks for none, as on OpenAI; other include values add nothing here
+    r = client.responses.create(**kwargs | {"include": ["reasoning.encrypted_content"]})
+    assert r.output[0].content[0].logprobs == [] and r.top_logprobs == 2
+    assert r.output_text == part.text
+
+
 def test_bad_requests_name_the_field(client):
     import openai
 
@@ -178,6 +208,9 @@ def test_bad_requests_name_the_field(client):
         (dict(input=[{"role": "robot", "content": "hi"}]), "input[0].role"),
         (dict(input="hi", extra_body={"bogus": 1}), "bogus"),
         (dict(input="hi", max_output_tokens=0), "max_output_tokens"),
+        (dict(input="hi", include=["message.output_text.bogus"]), "include"),
+        (dict(input="hi", include="message.output_text.logprobs"), "include"),
+        (dict(input="hi", top_logprobs=21), "top_logprobs"),
     ]
     for kwargs, param in cases:
         with pytest.raises(openai.BadRequestError) as e:
