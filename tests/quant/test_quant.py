@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -459,6 +460,34 @@ def test_a_helper_is_rebuilt_when_a_file_its_includes_include_changes(tmp_path, 
     second = native._build(source)
     assert second != first and ctypes.CDLL(str(second)).answer() == 2
     assert len(native._sources(source)) == 3
+
+
+def test_the_wheel_ships_every_file_of_the_packages(tmp_path):
+    """`pip install .` (the Dockerfile's) compiles the kernels on first use from the installed
+    files: prefetch.h missing from the wheel made every kernel's build fail there, and the layers
+    fell back to PyTorch's kernels. Built as the Dockerfile builds it, from a copy of its files;
+    every file of the packages (the kernels' sources and headers, the dashboard's) is in it."""
+    import shutil
+    import subprocess
+    import sys
+    import zipfile
+
+    root = Path(__file__).resolve().parents[2]
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(root / name, tree / name)
+    for name in ("server", "cli", "storage"):
+        shutil.copytree(root / name, tree / name, ignore=shutil.ignore_patterns("__pycache__"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                    "--no-build-isolation", "-w", str(tmp_path / "wheel"), str(tree)],
+                   check=True, timeout=300, cwd=tmp_path)
+    [wheel] = (tmp_path / "wheel").glob("*.whl")
+    shipped = set(zipfile.ZipFile(wheel).namelist())
+    files = {p.relative_to(tree).as_posix() for name in ("server", "cli", "storage")
+             for p in (tree / name).rglob("*") if p.is_file()}
+    assert {"server/quant/prefetch.h", "server/quant/avx2_gemm.c"} <= files
+    assert files - shipped == set()
 
 
 @pytest.mark.skipif(not {"avx2", "fma"} <= FLAGS, reason="PyTorch's AVX2 kernels need AVX2")
