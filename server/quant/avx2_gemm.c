@@ -47,6 +47,7 @@ static inline float bf16_to_float(uint16_t v) {
 #define GROUP_HEAD 128 /* bytes of scales and zeros before a group's nibbles */
 /* ahead(): the first pass over a block prefetches its weights */
 #include "prefetch.h"
+#include "row_cases.h"
 
 static inline int64_t group_bytes(int64_t group) { return GROUP_HEAD + group * 16; }
 
@@ -96,12 +97,6 @@ static inline void pair_sums(const int16_t *x0, int64_t k, int64_t pairs, const 
     for (int i = 0; i < r; i++) sa[i] = as[i], sb[i] = bs[i];
 }
 
-/* call(R) with r's value as a constant (r in 1..ROWS), so each count compiles to its own loops */
-#define ROWS_CASES(call)                                                                   \
-    switch (r) {                                                                           \
-        case 6: call(6); break; case 5: call(5); break; case 4: call(4); break;            \
-        case 3: call(3); break; case 2: call(2); break; default: call(1);                  \
-    }
 
 /* x bf16 [m, k] as fp32 (malloc'd; NULL if out of memory). */
 static float *to_fp32(const uint16_t *x, int64_t m, int64_t k) {

@@ -25,6 +25,7 @@
 
 /* ahead(): the first pass over a block prefetches its weights */
 #include "prefetch.h"
+#include "row_cases.h"
 
 #define ROWS 6
 
@@ -153,13 +154,9 @@ int int4_gemm(const uint16_t *x, const uint8_t *packed, uint16_t *y, float *xsum
             const uint16_t *xi = x + i * k;
             const float *xs = xsum + i * groups;
             uint16_t *yi = y + i * n + b * 32;
-            /* Constant row counts, so each compiles to its own unrolled loops. */
-            if (r == 6) block(xi, k, xs, groups, group, blk, yi, n, 6, table, i == 0);
-            else if (r == 5) block(xi, k, xs, groups, group, blk, yi, n, 5, table, i == 0);
-            else if (r == 4) block(xi, k, xs, groups, group, blk, yi, n, 4, table, i == 0);
-            else if (r == 3) block(xi, k, xs, groups, group, blk, yi, n, 3, table, i == 0);
-            else if (r == 2) block(xi, k, xs, groups, group, blk, yi, n, 2, table, i == 0);
-            else block(xi, k, xs, groups, group, blk, yi, n, 1, table, i == 0);
+#define BLOCK(R) block(xi, k, xs, groups, group, blk, yi, n, R, table, i == 0)
+            ROWS_CASES(BLOCK)
+#undef BLOCK
         }
     }
     return 0;
@@ -243,12 +240,9 @@ int int8_gemm(const uint16_t *x, const int8_t *packed, const float *scale, void 
             int r = m - i < ROWS ? (int)(m - i) : ROWS;
             const uint16_t *xi = x + i * k;
             char *yi = (char *)y + (i * n + b * 32) * (out_fp32 ? 4 : 2);
-            if (r == 6) block8(xi, k, blk, scale + b * 32, yi, n, 6, out_fp32, i == 0);
-            else if (r == 5) block8(xi, k, blk, scale + b * 32, yi, n, 5, out_fp32, i == 0);
-            else if (r == 4) block8(xi, k, blk, scale + b * 32, yi, n, 4, out_fp32, i == 0);
-            else if (r == 3) block8(xi, k, blk, scale + b * 32, yi, n, 3, out_fp32, i == 0);
-            else if (r == 2) block8(xi, k, blk, scale + b * 32, yi, n, 2, out_fp32, i == 0);
-            else block8(xi, k, blk, scale + b * 32, yi, n, 1, out_fp32, i == 0);
+#define BLOCK8(R) block8(xi, k, blk, scale + b * 32, yi, n, R, out_fp32, i == 0)
+            ROWS_CASES(BLOCK8)
+#undef BLOCK8
         }
     }
     return 0;
