@@ -13,10 +13,14 @@ ENV PYTHONUNBUFFERED=1 \
     VIRTUAL_ENV=/opt/venv \
     PATH=/opt/venv/bin:$PATH
 
-# CUDA bases ship without Python; python:* bases already have it.
-RUN command -v python3 >/dev/null || (apt-get update \
-      && apt-get install -y --no-install-recommends python3 python3-venv python3-pip \
-      && rm -rf /var/lib/apt/lists/*) \
+# CUDA bases ship without Python; python:* bases already have it. gcc: the CPU kernels
+# (server/quant/*.c, server/models/layer_ops.c) are compiled on first use for the CPU they
+# run on; without a compiler PyTorch's kernels run instead, several times slower.
+RUN apt-get update \
+    && (command -v python3 >/dev/null \
+        || apt-get install -y --no-install-recommends python3 python3-venv python3-pip) \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/* \
     && python3 -m venv /opt/venv
 
 WORKDIR /app

@@ -31,6 +31,7 @@ OPENMP = "-fopenmp"  # dropped if the compiler cannot: the helper then runs on o
 _lock = threading.Lock()
 _loaded: dict[str, Callable[..., int] | None] = {}
 _libraries: dict[Path, ctypes.CDLL | None] = {}
+_warned: set[str] = set()
 
 
 def int4_unpack() -> Callable[..., int] | None:
@@ -57,7 +58,10 @@ def _open(source: Path) -> ctypes.CDLL | None:
     try:
         return ctypes.CDLL(str(_build(source)))
     except (OSError, subprocess.SubprocessError) as e:
-        log.info("native helper %s unavailable (%s); using PyTorch's kernels", source.name, e)
+        if str(e) not in _warned:  # said once: without a compiler every helper fails alike
+            _warned.add(str(e))
+            log.warning("C helper %s unavailable (%s): PyTorch's kernels run instead, several "
+                        "times slower on CPU; a C compiler (gcc) on PATH fixes it", source.name, e)
         return None
 
 

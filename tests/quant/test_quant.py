@@ -507,15 +507,19 @@ def test_the_unpack_helper_reads_pytorchs_pack_on_avx2_cpus_too():
 
 
 @pytest.mark.parametrize("cc", ["/nonexistent/cc", "false"])
-def test_native_helper_falls_back(cc, tmp_path, monkeypatch):
-    """No compiler, or one that fails: no helper, and an int4 layer still answers every row
-    with the packed kernel (inside an engine step too)."""
+def test_native_helper_falls_back(cc, tmp_path, monkeypatch, caplog):
+    """No compiler, or one that fails: no helper, said once as a warning, and an int4 layer
+    still answers every row with the packed kernel (inside an engine step too)."""
     from server.quant import cpu_gemm, int4, native, rows
 
     monkeypatch.setenv("LOCALSERVE_HOME", str(tmp_path))
     monkeypatch.setenv("CC", cc)
+    monkeypatch.setattr(native, "_warned", set())
     assert native._open(cpu_gemm.SOURCE) is None
     assert native._load() is None
+    said = [r for r in caplog.records if "PyTorch's kernels run instead" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelname == "WARNING"
+    assert cpu_gemm.SOURCE.name in said[0].getMessage()
     monkeypatch.setattr(int4, "_checked", [None])  # what checked_unpack caches without one
     monkeypatch.setattr(cpu_gemm, "_state", [None])  # and cpu_gemm.checked
     torch.manual_seed(2)
