@@ -166,8 +166,33 @@ def _common(f: Fields, vocab_size: int) -> tuple[dict[str, Any], dict[str, Any]]
                  user=f.str("user"))
     f.str("service_tier")
     f.str("safety_identifier")
-    f.str("prompt_cache_key")  # prefix caching is automatic
+    cache_hints(f)
     return kw, other
+
+
+def cache_hints(f: Fields) -> None:
+    """OpenAI's prompt caching settings, checked and let be: the prefix cache here reuses
+    every shared prefix it still holds, and a hit never changes a result."""
+    f.str("prompt_cache_key")
+    retention = f.raw("prompt_cache_retention")
+    if retention not in (None, "in_memory", "24h"):
+        raise invalid("prompt_cache_retention", f"Invalid value for 'prompt_cache_retention': "
+                      f"{retention!r}. Supported values are: 'in_memory', '24h'.")
+    options = f.raw("prompt_cache_options")
+    if options is None:
+        return
+    if not isinstance(options, dict):
+        raise invalid("prompt_cache_options", "Invalid type for 'prompt_cache_options': "
+                      "expected an object.")
+    for key, value in options.items():
+        where = f"prompt_cache_options.{key}"
+        if key not in ("mode", "ttl"):
+            raise invalid(where, f"Unrecognized parameter '{where}'.")
+        if key == "mode" and value not in ("implicit", "explicit"):
+            raise invalid(where, f"Invalid value for '{where}': {value!r}. Supported values "
+                          "are: 'implicit', 'explicit'.")
+        if key == "ttl" and not isinstance(value, str):
+            raise invalid(where, f"Invalid type for '{where}': expected a string.")
 
 
 def _max_tokens(f: Fields) -> int | None:
@@ -198,6 +223,7 @@ def parse_chat(body: dict[str, Any], vocab_size: int) -> ChatRequest:
     f.refuse("reasoning_effort")
     f.refuse("verbosity")
     f.refuse("store", (None, False), "stored completions")
+    f.refuse("moderation")
     f.raw("metadata")  # only meaningful with store
     f.check_unknown()
     params = SamplingParams(logprobs=logprobs, top_logprobs=top or 0, **kw)

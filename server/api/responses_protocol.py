@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from server.api.errors import APIError, invalid, unsupported
-from server.api.protocol import MAX_TOP_LOGPROBS, ChatRequest, Fields
+from server.api.protocol import MAX_TOP_LOGPROBS, ChatRequest, Fields, cache_hints
 from server.api.structured import parse_response_format
 from server.api.tools import parse_tools
 from server.engine.sequence import SamplingParams
@@ -74,7 +74,7 @@ def parse_responses_request(body: dict[str, Any], vocab_size: int) -> ResponsesR
                             logprobs=logprobs, top_logprobs=top if logprobs else 0)
     user = f.str("user")
     f.str("safety_identifier")
-    f.str("prompt_cache_key")  # prefix caching is automatic
+    cache_hints(f)
     f.str("service_tier")
     f.refuse("truncation", (None, "disabled"), "truncation 'auto'")
     f.refuse("background", (None, False), "background responses")
@@ -82,6 +82,11 @@ def parse_responses_request(body: dict[str, Any], vocab_size: int) -> ResponsesR
     f.refuse("conversation", (None,), "conversations; use previous_response_id")
     f.refuse("prompt", (None,), "prompt templates")
     f.refuse("max_tool_calls")
+    f.refuse("moderation")
+    f.refuse("context_management", (None,), "context management (compaction)")
+    f.refuse("background_options", (None,), "background responses")
+    f.refuse("access_programs")
+    f.refuse("image", (None,), "image generation")
     f.check_unknown()
     chat = ChatRequest(model=model, params=params, max_tokens=max_tokens, stream=stream,
                        user=user, messages=messages, output_schema=output_schema,

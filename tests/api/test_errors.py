@@ -98,6 +98,12 @@ def chat(**fields):
                                                                        "minimum": "zero"}}}}}),
      "response_format"),
     (chat(frobnicate=1), "frobnicate"),
+    (chat(prompt_cache_retention="1w"), "prompt_cache_retention"),
+    (chat(prompt_cache_options="implicit"), "prompt_cache_options"),
+    (chat(prompt_cache_options={"mode": "sometimes"}), "prompt_cache_options.mode"),
+    (chat(prompt_cache_options={"ttl": 30}), "prompt_cache_options.ttl"),
+    (chat(prompt_cache_options={"size": 1}), "prompt_cache_options.size"),
+    (chat(moderation={"model": "omni-moderation-latest"}), "moderation"),
 ])
 def test_invalid_chat_fields_name_the_param(http, body, param):
     assert_error(http.post(CHAT, json=body), 400, param)

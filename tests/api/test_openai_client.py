@@ -81,6 +81,15 @@ def test_a_past_refusal_is_history_like_any_assistant_text(client):
         assert r.choices[0].message.content == plain.choices[0].message.content
 
 
+def test_prompt_cache_settings_are_taken_and_change_nothing(client):
+    kwargs = dict(model=MODEL, messages=HELLO, max_tokens=8, logit_bias=LETTERS, **GREEDY)
+    plain = client.chat.completions.create(**kwargs)
+    hinted = client.chat.completions.create(
+        prompt_cache_key="k", prompt_cache_retention="24h",
+        prompt_cache_options={"mode": "explicit", "ttl": "30m"}, **kwargs)
+    assert hinted.choices[0].message.content == plain.choices[0].message.content
+
+
 def test_stop_string_ends_the_text_and_is_never_streamed(client):
     kw = dict(model=MODEL, messages=HELLO, max_tokens=40, logit_bias=LETTERS, **GREEDY)
     full = client.chat.completions.create(**kw).choices[0].message.content

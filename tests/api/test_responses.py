@@ -189,8 +189,11 @@ def test_included_logprobs_are_chat_s_for_the_same_turn(client):
     final = events[-1].response.output[0].content[0]
     assert [lp.model_dump() for lp in final.logprobs] == want
 
-    # top_logprobs alone asks for none, as on OpenAI; other include values add nothing here
-    r = client.responses.create(**kwargs | {"include": ["reasoning.encrypted_content"]})
+    # top_logprobs alone asks for none, as on OpenAI; other include values add nothing here,
+    # nor do the prompt cache's settings
+    r = client.responses.create(**kwargs | {"include": ["reasoning.encrypted_content"],
+                                            "prompt_cache_retention": "in_memory",
+                                            "prompt_cache_options": {"mode": "implicit"}})
     assert r.output[0].content[0].logprobs == [] and r.top_logprobs == 2
     assert r.output_text == part.text
 
@@ -211,6 +214,8 @@ def test_bad_requests_name_the_field(client):
         (dict(input="hi", include=["message.output_text.bogus"]), "include"),
         (dict(input="hi", include="message.output_text.logprobs"), "include"),
         (dict(input="hi", top_logprobs=21), "top_logprobs"),
+        (dict(input="hi", prompt_cache_retention="forever"), "prompt_cache_retention"),
+        (dict(input="hi", context_management=[{"type": "compaction"}]), "context_management"),
     ]
     for kwargs, param in cases:
         with pytest.raises(openai.BadRequestError) as e:
