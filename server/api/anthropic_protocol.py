@@ -34,6 +34,7 @@ def parse_messages_request(body: dict[str, Any], vocab_size: int, count_only: bo
     if thinking is not None and not (isinstance(thinking, dict)
                                      and thinking.get("type") == "disabled"):
         raise unsupported("thinking", "extended thinking")
+    _settings(f)
     if count_only:
         f.check_unknown(UNKNOWN)
         return ChatRequest(model=model, params=SamplingParams(), max_tokens=None,
@@ -57,6 +58,19 @@ def parse_messages_request(body: dict[str, Any], vocab_size: int, count_only: bo
     return ChatRequest(model=model, params=params, max_tokens=max_tokens, stream=stream,
                        user=user if isinstance(user, str) else None, messages=messages,
                        output_schema=output_schema, tool_use=tool_use)
+
+
+def _settings(f: Fields) -> None:
+    """Request settings that change nothing here, checked; those that would, refused."""
+    cache = f.raw("cache_control")  # the prefix cache reuses any shared prefix on its own
+    if cache is not None and not (isinstance(cache, dict) and cache.get("type") == "ephemeral"):
+        raise invalid("cache_control", "cache_control: Input should be an object with type "
+                      "'ephemeral'")
+    f.str("inference_geo")
+    if f.raw("speed") not in (None, "standard", "fast"):  # one speed here: as fast as it can
+        raise invalid("speed", "speed: Input should be 'standard' or 'fast'")
+    f.refuse("container", (None,), "code execution containers")
+    f.refuse("diagnostics", (None,), "request diagnostics")
 
 
 def _system(v: Any) -> list[dict[str, Any]]:

@@ -74,6 +74,31 @@ def test_count_tokens_equals_the_prompt_a_message_uses(anthropic_client):
     assert counted == used.input_tokens + used.cache_read_input_tokens
 
 
+def test_request_settings_that_change_nothing_are_taken(anthropic_client):
+    """The SDK's request-level cache_control, speed and inference_geo (and its workspace and
+    user profile headers): the same answer as without; container and diagnostics, which would
+    change it, are refused by name."""
+    import anthropic
+
+    kwargs = dict(model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "Hi"}],
+                  extra_body=GREEDY)
+    plain = anthropic_client.messages.create(**kwargs)
+    hinted = anthropic_client.messages.create(
+        cache_control={"type": "ephemeral"}, speed="fast", inference_geo="us",
+        workspace_id="wrkspc_1", user_profile_id="up_1", **kwargs)
+    assert hinted.content == plain.content
+    counted = anthropic_client.messages.count_tokens(
+        model=MODEL, messages=kwargs["messages"], cache_control={"type": "ephemeral"})
+    assert counted.input_tokens == plain.usage.input_tokens + plain.usage.cache_read_input_tokens
+    for bad, field in ((dict(speed="warp"), "speed"), (dict(cache_control={"type": "x"}),
+                                                        "cache_control"),
+                       (dict(container="c1"), "container"),
+                       (dict(diagnostics={"previous_message_id": "msg_1"}), "diagnostics")):
+        with pytest.raises(anthropic.BadRequestError) as e:
+            anthropic_client.messages.create(**kwargs | bad)
+        assert field in e.value.body["error"]["message"]
+
+
 def test_a_forced_tool_is_used_with_input_following_its_schema(anthropic_client):
     for stream in (False, True):
         kwargs = dict(model=MODEL, max_tokens=60, tools=[WEATHER],
