@@ -118,11 +118,28 @@ async def _start(state: ServerState, req: ResponsesRequest, salt: str, priority:
                                    "previous_response_id")
     conversation = history + req.chat.messages
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
-    chat = replace(req.chat, messages=system + conversation)
-    turn = await start_turn(state, chat, salt, priority, f"resp_{uuid.uuid4().hex}", "input",
-                            "text.format")
-    run = _Run(state, req, turn, conversation, salt)
+    seen = conversation
+    while True:
+        chat = replace(req.chat, messages=system + seen)
+        try:
+            turn = await start_turn(state, chat, salt, priority, f"resp_{uuid.uuid4().hex}",
+                                    "input", "text.format")
+            break
+        except APIError as e:
+            if not req.truncate or e.code != "context_length_exceeded" or len(seen) < 2:
+                raise
+            seen = _without_oldest(seen)
+    run = _Run(state, req, turn, conversation, salt)  # stored whole: only this turn is cut
     return Generation(run.collect, run.stream)
+
+
+def _without_oldest(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """truncation "auto": the conversation less its oldest message, and the tool results
+    that answered calls in it (a result without its call would not render)."""
+    rest = messages[1:]
+    while len(rest) > 1 and rest[0]["role"] == "tool":
+        rest = rest[1:]
+    return rest
 
 
 class _Output:

@@ -28,6 +28,7 @@ class ResponsesRequest:
     instructions: str | None
     previous_response_id: str | None
     store: bool
+    truncate: bool  # truncation "auto": the oldest items go until the rest fits the context
     echo: dict[str, Any] = field(default_factory=dict)  # request fields the response repeats
 
     @property
@@ -76,7 +77,10 @@ def parse_responses_request(body: dict[str, Any], vocab_size: int) -> ResponsesR
     f.str("safety_identifier")
     cache_hints(f)
     f.str("service_tier")
-    f.refuse("truncation", (None, "disabled"), "truncation 'auto'")
+    truncation = f.raw("truncation")
+    if truncation not in (None, "auto", "disabled"):
+        raise invalid("truncation", f"Invalid value for 'truncation': {truncation!r}. "
+                      "Supported values are: 'auto', 'disabled'.")
     f.refuse("background", (None, False), "background responses")
     f.refuse("reasoning", (None,), "reasoning settings")
     f.refuse("conversation", (None,), "conversations; use previous_response_id")
@@ -97,8 +101,8 @@ def parse_responses_request(body: dict[str, Any], vocab_size: int) -> ResponsesR
             "temperature": params.temperature, "top_p": params.top_p,
             "text": text_echo, "tool_choice": choice if choice is not None else "auto",
             "top_logprobs": top,
-            "tools": raw_tools or [], "truncation": "disabled", "user": user}
-    return ResponsesRequest(chat, instructions, previous, store, echo)
+            "tools": raw_tools or [], "truncation": truncation or "disabled", "user": user}
+    return ResponsesRequest(chat, instructions, previous, store, truncation == "auto", echo)
 
 
 # What `include` may name. Only the logprobs add anything here: the others belong to tools,

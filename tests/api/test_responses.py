@@ -198,6 +198,27 @@ def test_included_logprobs_are_chat_s_for_the_same_turn(client):
     assert r.output_text == part.text
 
 
+def test_truncation_auto_drops_the_oldest_items_until_the_input_fits(client):
+    import openai
+
+    old = [{"role": "user", "content": "Tell me everything. " * 250},  # past 4,096 tokens
+           {"role": "assistant", "content": "The sea is wide and deep."}]
+    ask = {"role": "user", "content": "And the rivers?"}
+    kwargs = dict(model=MODEL, max_output_tokens=8, **GREEDY)
+    with pytest.raises(openai.BadRequestError) as e:  # "disabled", the default
+        client.responses.create(input=[*old, ask], **kwargs)
+    assert e.value.code == "context_length_exceeded"
+    cut = client.responses.create(input=[*old, ask], truncation="auto", **kwargs)
+    rest = client.responses.create(input=[old[1], ask], **kwargs)
+    assert cut.truncation == "auto" and cut.usage.input_tokens == rest.usage.input_tokens
+    assert cut.output_text == rest.output_text
+    # stored whole: the items listed are all of them, though the turn saw the last two
+    assert len(client.responses.input_items.list(cut.id).data) == 3
+    with pytest.raises(openai.BadRequestError) as e:  # nothing to drop: the last cannot go
+        client.responses.create(input=[old[0]], truncation="auto", **kwargs)
+    assert e.value.code == "context_length_exceeded"
+
+
 def test_bad_requests_name_the_field(client):
     import openai
 
@@ -215,6 +236,7 @@ def test_bad_requests_name_the_field(client):
         (dict(input="hi", include="message.output_text.logprobs"), "include"),
         (dict(input="hi", top_logprobs=21), "top_logprobs"),
         (dict(input="hi", prompt_cache_retention="forever"), "prompt_cache_retention"),
+        (dict(input="hi", truncation="middle"), "truncation"),
         (dict(input="hi", context_management=[{"type": "compaction"}]), "context_management"),
     ]
     for kwargs, param in cases:
