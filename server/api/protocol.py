@@ -138,6 +138,7 @@ def _common(f: Fields, vocab_size: int) -> tuple[dict[str, Any], dict[str, Any]]
         sub = Fields(options)
         include_usage = sub.bool("include_usage")
         sub.bool("continuous_usage_stats")  # accepted: vLLM clients send it
+        sub.bool("include_obfuscation")  # OpenAI's padding against side channels: none here
         for name in options:
             if name not in sub.seen:
                 raise invalid(f"stream_options.{name}",
