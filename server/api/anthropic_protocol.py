@@ -123,6 +123,8 @@ def _user_turn(blocks: list[Any], where: str) -> list[dict[str, Any]]:
             if b.get("is_error"):
                 text = f"Error: {text}"
             results.append({"role": "tool", "tool_call_id": b["tool_use_id"], "content": text})
+        elif kind == "document":
+            texts.append(_document(b, w))
         else:
             raise unsupported(f"{w}.type", f"content blocks of type {kind!r} in user turns")
     return results + ([{"role": "user", "content": "\n".join(texts)}] if texts else [])
@@ -150,6 +152,42 @@ def _assistant_turn(blocks: list[Any], where: str) -> dict[str, Any]:
     if calls:
         message["tool_calls"] = calls
     return message
+
+
+def _document(b: dict[str, Any], where: str) -> str:
+    """A plain text document (source `text`, or `content` of text blocks) as the user's text,
+    in <document> tags with its title and context; PDFs and files are refused."""
+    _only(b, ("type", "source", "title", "context"), where)
+    citations = b.get("citations")
+    if isinstance(citations, dict) and citations.get("enabled"):
+        raise unsupported(f"{where}.citations", "citations")
+    source = b.get("source")
+    kind = _block_type(source, f"{where}.source")
+    if kind == "text":
+        _only(source, ("type", "media_type", "data"), f"{where}.source")
+        if source.get("media_type", "text/plain") != "text/plain":
+            raise invalid(f"{where}.source.media_type", f"{where}.source.media_type: Input "
+                          "should be 'text/plain'")
+        text = source.get("data")
+        if not isinstance(text, str):
+            raise invalid(f"{where}.source.data", f"{where}.source.data: Input should be a "
+                          "valid string")
+    elif kind == "content":
+        _only(source, ("type", "content"), f"{where}.source")
+        content = source.get("content")
+        text = content if isinstance(content, str) else _text_blocks(content,
+                                                                    f"{where}.source.content")
+    else:
+        raise unsupported(f"{where}.source.type", f"documents with a {kind!r} source (PDFs "
+                          "and files; plain text ones work)")
+    head = []
+    for key in ("title", "context"):
+        value = b.get(key)
+        if value is not None and not isinstance(value, str):
+            raise invalid(f"{where}.{key}", f"{where}.{key}: Input should be a valid string")
+        if value:
+            head.append(f"<{key}>{value}</{key}>\n")
+    return f"<document>\n{''.join(head)}{text}\n</document>"
 
 
 def _block_type(b: Any, where: str) -> str:

@@ -74,6 +74,33 @@ def test_count_tokens_equals_the_prompt_a_message_uses(anthropic_client):
     assert counted == used.input_tokens + used.cache_read_input_tokens
 
 
+def test_a_plain_text_document_is_the_user_s_text_in_document_tags(anthropic_client):
+    import anthropic
+
+    ask = {"type": "text", "text": "What colour is the sea?"}
+    doc = {"type": "document", "title": "Sea", "context": "A note",
+           "source": {"type": "text", "media_type": "text/plain", "data": "The sea is blue."}}
+    same = ("<document>\n<title>Sea</title>\n<context>A note</context>\nThe sea is blue.\n"
+            "</document>\nWhat colour is the sea?")
+    blocks = {"type": "content", "content": [{"type": "text", "text": "The sea is blue."}]}
+
+    def count(content) -> int:
+        return anthropic_client.messages.count_tokens(
+            model=MODEL, messages=[{"role": "user", "content": content}]).input_tokens
+    assert count([doc, ask]) == count(same) == count([doc | {"source": blocks}, ask])
+    assert count([doc, ask]) > count([ask])
+    m = anthropic_client.messages.create(model=MODEL, max_tokens=4, extra_body=GREEDY,
+                                         messages=[{"role": "user", "content": [doc, ask]}])
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == count(same)
+    pdf = {"type": "base64", "media_type": "application/pdf", "data": "JVBERi0="}
+    for bad, field in ((doc | {"source": pdf}, "messages.0.content.0.source.type"),
+                       (doc | {"citations": {"enabled": True}}, "messages.0.content.0.citations"),
+                       (doc | {"title": 5}, "messages.0.content.0.title")):
+        with pytest.raises(anthropic.BadRequestError) as e:
+            count([bad, ask])
+        assert field in e.value.body["error"]["message"]
+
+
 def test_request_settings_that_change_nothing_are_taken(anthropic_client):
     """The SDK's request-level cache_control, speed and inference_geo (and its workspace and
     user profile headers): the same answer as without; container and diagnostics, which would
