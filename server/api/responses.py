@@ -171,7 +171,6 @@ class _Output:
                        "content_index": 0, "delta": delta, "logprobs": logprobs})
         return events
 
-
     def is_writing_text(self) -> bool:
         return self._open is not None and self._open["type"] == "message"
 

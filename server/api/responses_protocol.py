@@ -110,8 +110,7 @@ def parse_responses_request(body: dict[str, Any], vocab_size: int) -> ResponsesR
 LOGPROBS = "message.output_text.logprobs"
 INCLUDABLE = (LOGPROBS, "reasoning.encrypted_content", "message.input_image.image_url",
               "file_search_call.results", "web_search_call.action.sources",
-              "code_interpreter_call.outputs",
-              "computer_call_output.output.image_url")
+              "code_interpreter_call.outputs", "computer_call_output.output.image_url")
 
 
 def _include(v: Any) -> set[str]:
