@@ -159,7 +159,10 @@ def _document(b: dict[str, Any], where: str) -> str:
     in <document> tags with its title and context; PDFs and files are refused."""
     _only(b, ("type", "source", "title", "context"), where)
     citations = b.get("citations")
-    if isinstance(citations, dict) and citations.get("enabled"):
+    if citations is not None and not isinstance(citations, dict):
+        raise invalid(f"{where}.citations", f"{where}.citations: Input should be a valid "
+                      "dictionary")
+    if citations and citations.get("enabled"):
         raise unsupported(f"{where}.citations", "citations")
     source = b.get("source")
     kind = _block_type(source, f"{where}.source")

@@ -95,6 +95,7 @@ def test_a_plain_text_document_is_the_user_s_text_in_document_tags(anthropic_cli
     pdf = {"type": "base64", "media_type": "application/pdf", "data": "JVBERi0="}
     for bad, field in ((doc | {"source": pdf}, "messages.0.content.0.source.type"),
                        (doc | {"citations": {"enabled": True}}, "messages.0.content.0.citations"),
+                       (doc | {"citations": "yes"}, "messages.0.content.0.citations"),
                        (doc | {"title": 5}, "messages.0.content.0.title")):
         with pytest.raises(anthropic.BadRequestError) as e:
             count([bad, ask])
