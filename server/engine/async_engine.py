@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -21,6 +22,8 @@ from server.engine.sequence import (
     Sequence,
     SequenceStatus,
 )
+
+log = logging.getLogger("localserve")
 
 
 @dataclass(slots=True)
@@ -292,12 +295,16 @@ def load_engine(
     from server.models.device import pick_device, pick_dtype
     from server.models.loader import load_model
     from server.models.tokenizer import load_tokenizer
+    from server.quant import cpu_kernels
 
     device = pick_device(device)
     dtype = pick_dtype(device, dtype)
 
     def build() -> Engine:  # runs in the engine thread: all torch work in one thread
         loaded = load_model(stored, device, dtype)
+        kernels = cpu_kernels(loaded.model) if device.type == "cpu" else None
+        if kernels:
+            log.info("CPU kernels: %s", kernels)
         return Engine(loaded.model, config or EngineConfig(), device, dtype)
 
     eos = tuple(stored.manifest["tokenizer"]["eos_token_ids"])

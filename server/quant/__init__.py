@@ -83,6 +83,24 @@ def prepare_quantized(model: nn.Module, use_kernels: bool = True) -> None:
                 tied.read_from(module.q8)
 
 
+def cpu_kernels(model: nn.Module) -> str | None:
+    """What a CPU model's quantized layers run (after prepare_quantized), said once at load:
+    our kernels (their source), or PyTorch's where ours did not build. None: none quantized."""
+    from server.quant import cpu_gemm
+
+    layers = [m for m in model.modules() if isinstance(m, Int4Linear | Int8Linear)]
+    ours = sum((m.q4x32 if isinstance(m, Int4Linear) else m.q8) is not None for m in layers)
+    theirs = len(layers) - ours
+    if not layers:
+        return None
+    lib = cpu_gemm.checked()
+    source = next((cpu_gemm.SOURCES[k].name for k, built in cpu_gemm._by_kind.items()
+                   if built is lib and lib is not None), None)
+    if not theirs and source:
+        return f"{source} for all {ours} int4/int8 layers"
+    return f"PyTorch's kernels for {theirs} of {ours + theirs} int4/int8 layers"
+
+
 def fuse_linears(mods: list[nn.Module]) -> nn.Module | None:
     """One module computing all of `mods` (same input, outputs concatenated): one kernel call
     instead of several. None when they differ in kind. Call before prepare_quantized."""

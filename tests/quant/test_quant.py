@@ -375,6 +375,35 @@ def test_a_tied_embedding_reads_its_heads_layout(kernel_kind):
     assert torch.equal(before, q[ids].float() * scale[ids].unsqueeze(-1))
 
 
+def test_the_kernels_a_model_runs_are_named(monkeypatch):
+    """Said once at load (async_engine.load_engine): ours, with their source, or PyTorch's
+    where ours are not built (no compiler, LOCALSERVE_NO_NATIVE)."""
+    from server.quant import cpu_gemm, cpu_kernels, prepare_quantized
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(7)
+        m = torch.nn.Module()
+        q, scale, zero = quantize_int4(torch.randn(64, 64) * 0.05, 32)
+        m.proj = Int4Linear(64, 64, 32)
+        m.proj.weight, m.proj.weight_scale, m.proj.weight_zero = pack_int4(q), scale, zero
+        m.head = Int8Linear(64, 96)
+        m.head.weight, m.head.weight_scale = quantize_int8(torch.randn(96, 64))
+        return m
+
+    assert cpu_kernels(torch.nn.Linear(4, 4)) is None
+    built = model()
+    prepare_quantized(built)
+    if cpu_gemm.checked() is not None:  # this CPU's kind, or the next one down that built
+        said = cpu_kernels(built)
+        assert said in {f"{p.name} for all 2 int4/int8 layers" for p in cpu_gemm.SOURCES.values()}
+        assert cpu_gemm.checked() is not cpu_gemm.of_kind(cpu_gemm.KIND) or \
+            said.startswith(cpu_gemm.SOURCE.name)
+    monkeypatch.setattr(cpu_gemm, "_state", [None])  # what checked() holds when none built
+    built = model()
+    prepare_quantized(built)
+    assert cpu_kernels(built) == "PyTorch's kernels for 2 of 2 int4/int8 layers"
+
+
 def test_fp32_activations_go_through_unrounded_where_the_kernels_take_them(kernel_kind):
     """avx2_gemm.c takes fp32 activations (CPUs without fast bf16 compute in fp32), never
     rounded to bf16: int4 and int8 results (an int8 layer and an int8 LM head) within their
