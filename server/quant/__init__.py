@@ -86,16 +86,14 @@ def prepare_quantized(model: nn.Module, use_kernels: bool = True) -> None:
 def cpu_kernels(model: nn.Module) -> str | None:
     """What a CPU model's quantized layers run (after prepare_quantized), said once at load:
     our kernels (their source), or PyTorch's where ours did not build. None: none quantized."""
-    from server.quant import cpu_gemm
+    from server.quant.cpu_gemm import source_in_use
 
     layers = [m for m in model.modules() if isinstance(m, Int4Linear | Int8Linear)]
     ours = sum((m.q4x32 if isinstance(m, Int4Linear) else m.q8) is not None for m in layers)
     theirs = len(layers) - ours
     if not layers:
         return None
-    lib = cpu_gemm.checked()
-    source = next((cpu_gemm.SOURCES[k].name for k, built in cpu_gemm._by_kind.items()
-                   if built is lib and lib is not None), None)
+    source = source_in_use()
     if not theirs and source:
         return f"{source} for all {ours} int4/int8 layers"
     return f"PyTorch's kernels for {theirs} of {ours + theirs} int4/int8 layers"

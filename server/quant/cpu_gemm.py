@@ -206,6 +206,13 @@ def checked():
     return _state[0]
 
 
+def source_in_use() -> str | None:
+    """The file of the library checked() gives (this CPU's kind or the next that built)."""
+    lib = checked()
+    return next((SOURCES[k].name for k, built in _by_kind.items()
+                 if lib is not None and built is lib), None)
+
+
 def of_kind(kind: str):
     """The checked library of `kind` (a CPU can run the kinds below its own: the tests check
     avx2_gemm.c on AVX-512 machines too), or None."""
