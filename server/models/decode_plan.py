@@ -107,10 +107,7 @@ class DecodePlan:
         g = meta.groups[0]
         if g.first_tile >= 0 or g.lens is None or x.device.type != "cpu":
             return False
-        if x.dtype == torch.float32:
-            if not cpu_gemm.takes_fp32(self.gemm_lib):
-                return False
-        elif x.dtype != torch.bfloat16:
+        if x.dtype not in (torch.float32, torch.bfloat16):
             return False
         k, v = kv_caches[0]
         index = (meta.positions, meta.slot_mapping, g.context_slots, g.lens)
@@ -134,22 +131,32 @@ class DecodePlan:
         gate, up = gu.chunk(2, dim=-1)
         xsum = torch.empty(t * self.max_group_count, dtype=torch.float32)
         ops, lib = self.ops, self.gemm_lib
-        gemm4 = lib.int4_gemm if bf16 else lib.int4_gemm_f32
-        xp, np_, pp, qkvp, qp, ap, gup, xs = (a.data_ptr() for a in (
-            x, normed, proj, qkv, q, att, gu, xsum))
+        # fp32 compute with kernels that take bf16 only (avx512_gemm.c, amx_gemm.c): the int4
+        # and int8 layers round x to bf16 and widen their bf16 outputs (int4.py, int8.py)
+        widen = not bf16 and not cpu_gemm.takes_fp32(lib)
+        gemm4 = lib.int4_gemm if bf16 or widen else lib.int4_gemm_f32
+        xp, np_, qkvp, qp, ap, xs = (a.data_ptr() for a in (x, normed, qkv, q, att, xsum))
         cos, sin = rope.cos_table.data_ptr(), rope.sin_table.data_ptr()
         pos, slots = rope.positions.data_ptr(), meta.slot_mapping.data_ptr()
         ctx, lens, max_ctx = g.context_slots.data_ptr(), g.lens.data_ptr(), g.context_slots.shape[1]
         num_slots = kv_caches[0][0].shape[1]
 
-        def mm(m: Packed, xin: int, yout: int, n: int, k: int) -> int:
+        def mm(m: Packed, xin: torch.Tensor, yout: torch.Tensor, n: int, k: int) -> int:
             """The call the layer's module makes for these rows (int4.py, int8.py)."""
+            if isinstance(m, Linear):
+                return ops.dense_gemm(xin.data_ptr(), m.weight.data_ptr(), yout.data_ptr(), t,
+                                      n, k, bf16, m.weight.dtype == torch.bfloat16, 0)
+            if widen:
+                xb, yb = xin.to(torch.bfloat16), yout.new_empty(yout.shape, dtype=torch.bfloat16)
+                failed = packed(m, xb.data_ptr(), yb.data_ptr(), n, k)
+                yout.copy_(yb)
+                return failed
+            return packed(m, xin.data_ptr(), yout.data_ptr(), n, k)
+
+        def packed(m: Packed, xin: int, yout: int, n: int, k: int) -> int:
             if isinstance(m, Int4Linear):
                 return gemm4(xin, m.q4x32.data_ptr(), yout, xs, t, n, k, m.group_size)
-            if isinstance(m, Linear):
-                return ops.dense_gemm(xin, m.weight.data_ptr(), yout, t, n, k, bf16,
-                                      m.weight.dtype == torch.bfloat16, 0)
-            if bf16:
+            if bf16 or widen:
                 return lib.int8_gemm(xin, m.q8.data_ptr(), m.q8_scale.data_ptr(), yout, t, n, k,
                                      0)
             return lib.int8_gemm_f32(xin, m.q8.data_ptr(), m.q8_scale.data_ptr(), yout, t, n, k)
@@ -158,17 +165,17 @@ class DecodePlan:
         for la, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             kc, vc = k_cache.data_ptr(), v_cache.data_ptr()
             failed |= ops.rms_norm(xp, la.norm1.data_ptr(), np_, t, h, self.eps, bf16)
-            failed |= mm(la.qkv, np_, qkvp, nq + 2 * nkv, h)
+            failed |= mm(la.qkv, normed, qkv, nq + 2 * nkv, h)
             failed |= ops.rope_store(qkvp, t, nq + 2 * nkv, self.hq, self.hkv, self.d, cos, sin,
                                      pos, slots, qp, kc, vc, num_slots, bf16, cache_bf16)
             failed |= ops.paged_decode(qp, kc, vc, ctx, lens, ap, t, self.hq, self.hkv, self.d,
                                        max_ctx, num_slots, self.scale, bf16, cache_bf16)
-            failed |= mm(la.o, ap, pp, h, nq)
+            failed |= mm(la.o, att, proj, h, nq)
             x.add_(proj)
             failed |= ops.rms_norm(xp, la.norm2.data_ptr(), np_, t, h, self.eps, bf16)
-            failed |= mm(la.gate_up, np_, gup, 2 * self.inter, h)
+            failed |= mm(la.gate_up, normed, gu, 2 * self.inter, h)
             act = F.silu(gate) * up
-            failed |= mm(la.down, act.data_ptr(), pp, h, self.inter)
+            failed |= mm(la.down, act, proj, h, self.inter)
             x.add_(proj)
         if failed:  # shapes were checked when the plan was built: a kernel's own refusal
             raise RuntimeError("a CPU kernel declined a decode step it was planned for")
