@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -58,6 +59,19 @@ def test_a_random_gguf_of_a_shape_pulls_and_generates(real_home, tmp_path, monke
 def load_compare(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # it imports random_gguf beside it
     return load_script("compare_llama_server")
+
+
+def test_greedy_fidelity_counts_whole_answers_and_tokens_before_the_first_divergence(
+        tiny_home, monkeypatch):
+    fidelity = load_script("greedy_fidelity")
+    assert fidelity.agreement([[1, 2, 3], [1, 2, 4], [5]], [[1, 2, 3], [1, 9, 4], [6]]) == (1, 4)
+    monkeypatch.setenv("LOCALSERVE_HOME", str(tiny_home))
+    line = fidelity.main(["tiny:bf16", "--dtype", "fp32", "--tokens", "4"])
+    head, _, counts = line.partition(": ")
+    assert head == "tiny:bf16 --dtype fp32 --kv-cache-dtype fp32"
+    whole, before = re.fullmatch(r"(\d+)/16 answers whole, (\d+)/64 tokens before the first "
+                                 r"divergence", counts).groups()
+    assert int(whole) * 4 <= int(before) <= 64
 
 
 def test_machine_kinds_tell_the_cpus_apart(monkeypatch):
