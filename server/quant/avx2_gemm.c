@@ -43,11 +43,10 @@ static inline float bf16_to_float(uint16_t v) {
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 
-#define ROWS 6 /* rows a pass over the weights: 12 int32 sums in registers (madd_acc) */
 #define GROUP_HEAD 128 /* bytes of scales and zeros before a group's nibbles */
 /* ahead(): the first pass over a block prefetches its weights */
 #include "prefetch.h"
-#include "row_cases.h"
+#include "row_cases.h" /* ROWS a pass, ROWS_CASES */
 
 static inline int64_t group_bytes(int64_t group) { return GROUP_HEAD + group * 16; }
 
@@ -96,7 +95,6 @@ static inline void pair_sums(const int16_t *x0, int64_t k, int64_t pairs, const 
     const __m256i as[ROWS] = {a0, a1, a2, a3, a4, a5}, bs[ROWS] = {b0, b1, b2, b3, b4, b5};
     for (int i = 0; i < r; i++) sa[i] = as[i], sb[i] = bs[i];
 }
-
 
 /* x bf16 [m, k] as fp32 (malloc'd; NULL if out of memory). */
 static float *to_fp32(const uint16_t *x, int64_t m, int64_t k) {

@@ -25,9 +25,7 @@
 
 /* ahead(): the first pass over a block prefetches its weights */
 #include "prefetch.h"
-#include "row_cases.h"
-
-#define ROWS 6
+#include "row_cases.h" /* ROWS a pass, ROWS_CASES */
 
 /* Rows [0, r) of x, inputs (2p, 2p + 1), against two vectors of 16 outputs' weight pairs. */
 static inline void dp_rows(__m512 *a0, __m512 *a1, const uint16_t *x, int64_t k, int64_t p,
