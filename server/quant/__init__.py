@@ -89,14 +89,12 @@ def cpu_kernels(model: nn.Module) -> str | None:
     from server.quant.cpu_gemm import source_in_use
 
     layers = [m for m in model.modules() if isinstance(m, Int4Linear | Int8Linear)]
-    ours = sum((m.q4x32 if isinstance(m, Int4Linear) else m.q8) is not None for m in layers)
-    theirs = len(layers) - ours
     if not layers:
         return None
-    source = source_in_use()
-    if not theirs and source:
-        return f"{source} for all {ours} int4/int8 layers"
-    return f"PyTorch's kernels for {theirs} of {ours + theirs} int4/int8 layers"
+    ours = sum((m.q4x32 if isinstance(m, Int4Linear) else m.q8) is not None for m in layers)
+    if ours == len(layers):
+        return f"{source_in_use()} for all {ours} int4/int8 layers"
+    return f"PyTorch's kernels for {len(layers) - ours} of {len(layers)} int4/int8 layers"
 
 
 def fuse_linears(mods: list[nn.Module]) -> nn.Module | None:

@@ -61,7 +61,7 @@ def _open(source: Path) -> ctypes.CDLL | None:
         if str(e) not in _warned:  # said once: without a compiler every helper fails alike
             _warned.add(str(e))
             log.warning("C helper %s unavailable (%s): PyTorch's kernels run instead, several "
-                        "times slower on CPU; a C compiler (gcc) on PATH fixes it", source.name, e)
+                        "times slower on CPU", source.name, e)
         return None
 
 
