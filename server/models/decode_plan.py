@@ -135,6 +135,9 @@ class DecodePlan:
         # and int8 layers round x to bf16 and widen their bf16 outputs (int4.py, int8.py)
         widen = not bf16 and not cpu_gemm.takes_fp32(lib)
         gemm4 = lib.int4_gemm if bf16 or widen else lib.int4_gemm_f32
+        if widen:  # the bf16 copies in and out, once for the whole step
+            width = max(h, nq + 2 * nkv, 2 * self.inter)
+            xb, yb = (torch.empty(t * width, dtype=torch.bfloat16) for _ in range(2))
         xp, np_, qkvp, qp, ap, xs = (a.data_ptr() for a in (x, normed, qkv, q, att, xsum))
         cos, sin = rope.cos_table.data_ptr(), rope.sin_table.data_ptr()
         pos, slots = rope.positions.data_ptr(), meta.slot_mapping.data_ptr()
@@ -147,9 +150,10 @@ class DecodePlan:
                 return ops.dense_gemm(xin.data_ptr(), m.weight.data_ptr(), yout.data_ptr(), t,
                                       n, k, bf16, m.weight.dtype == torch.bfloat16, 0)
             if widen:
-                xb, yb = xin.to(torch.bfloat16), yout.new_empty(yout.shape, dtype=torch.bfloat16)
-                failed = packed(m, xb.data_ptr(), yb.data_ptr(), n, k)
-                yout.copy_(yb)
+                xr, yr = xb[:t * k].view(t, k), yb[:t * n].view(t, n)
+                xr.copy_(xin)
+                failed = packed(m, xr.data_ptr(), yr.data_ptr(), n, k)
+                yout.copy_(yr)
                 return failed
             return packed(m, xin.data_ptr(), yout.data_ptr(), n, k)
 
