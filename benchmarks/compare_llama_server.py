@@ -285,11 +285,14 @@ def machine_kind() -> str:
 
 
 def kind_of(flags: set[str], family: str, held_to_avx2: bool = False) -> str:
-    """amx, zen4, zen5, avx512 (another AVX-512 BF16 CPU) or avx2 (a machine held to AVX2 too:
-    its proxy). AMD's AVX-512 BF16 cores differ 2x: Zen 4 (family 25) splits 512-bit work in
-    halves, Zen 5 (26) does not."""
-    if held_to_avx2 or "avx512_bf16" not in flags:
+    """amx, zen4, zen5, avx512 (another AVX-512 BF16 CPU), avx512-vnni (AVX-512 VNNI without
+    BF16: fp32 compute, avx2_gemm.c's VNNI path) or avx2 (a machine held to AVX2 too: its
+    proxy). AMD's AVX-512 BF16 cores differ 2x: Zen 4 (family 25) splits 512-bit work in halves,
+    Zen 5 (26) does not."""
+    if held_to_avx2:
         return "avx2"
+    if "avx512_bf16" not in flags:
+        return "avx512-vnni" if {"avx512bw", "avx512_vnni"} <= flags else "avx2"
     if "amx_tile" in flags:
         return "amx"
     return {"25": "zen4", "26": "zen5"}.get(family, "avx512")

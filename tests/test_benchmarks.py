@@ -82,6 +82,7 @@ def test_machine_kinds_tell_the_cpus_apart(monkeypatch):
     assert compare.kind_of(bf16, "26") == "zen5"
     assert compare.kind_of(bf16, "6") == "avx512"
     assert compare.kind_of({"avx2", "fma"}, "6") == "avx2"
+    assert compare.kind_of({"avx2", "avx512f", "avx512bw", "avx512_vnni"}, "6") == "avx512-vnni"
     assert compare.kind_of(bf16 | {"amx_tile"}, "6", held_to_avx2=True) == "avx2"
 
 

@@ -17,6 +17,9 @@
  *
  * int8 (the LM head): the same with int8 weights, x in int16 per group of 32 inputs.
  *
+ * Where the compiler targets AVX-512 VNNI (-march=native on such a CPU), the int32 sums come
+ * from vpdpwssd on whole blocks instead (WIDE_ROWS, below): the same bits, 1.3-2x faster.
+ *
  * Batch invariance: each row takes the same instructions in the same order whether it is
  * computed alone or among others; a row's accumulators never mix with another's. Returns
  * nonzero where it cannot (built without AVX2, FMA and F16C, or shapes it does not take).
@@ -223,6 +226,158 @@ static inline void half_block(const int16_t *xq, int64_t k, const float *xa,
     }
 }
 
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+/* AVX-512 VNNI (Intel Xeons from Cascade Lake on, AMD Zen 4 and 5; compiled where the CPU has
+ * it): vpdpwssd is vpmaddwd and its vpaddd in one instruction, on 16 lanes, so a pass takes a
+ * whole block of 32 outputs (both halves' bytes widen to one vector) for WIDE_ROWS rows, the
+ * 24 int32 sums in 24 of the 32 registers. The same exact int32 sums and, lane for lane, the
+ * same fp32 arithmetic on them: bit for bit the AVX2 path's results (a test builds both). */
+#define WIDE_ROWS 12
+#define WIDE_CASES(call)                                                                   \
+    switch (r) {                                                                           \
+        case 12: call(12); break; case 11: call(11); break; case 10: call(10); break;      \
+        case 9: call(9); break; case 8: call(8); break; case 7: call(7); break;            \
+        case 6: call(6); break; case 5: call(5); break; case 4: call(4); break;            \
+        case 3: call(3); break; case 2: call(2); break; default: call(1);                  \
+    }
+
+/* pair_sums for a whole block: outputs 0-15 (sa) and 16-31 (sb). int4: a pair's 32 bytes
+ * widen to 32 int16 lanes, 32-bit lane j = output j (low nibbles) and j + 16 (high ones);
+ * int8: a pair's first 32 bytes are outputs 0-15, the next 32 outputs 16-31. Up to 6 rows,
+ * odd pairs go to a second set of sums (c, d), added at the end: each vpdpwssd waits for the
+ * last on its sum, so one set left one row latency-bound (1.4x fewer GMAC/s at one row, in
+ * cache); int32 sums in any order are the same. */
+static inline __attribute__((always_inline)) void wide_pair(const uint8_t *w, int64_t p,
+                                                           const int int8, __m512i *w0,
+                                                           __m512i *w1) {
+    if (int8) {
+        *w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w + p * 64)));
+        *w1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w + p * 64 + 32)));
+    } else {
+        __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(w + p * 32)));
+        *w0 = _mm512_and_si512(v, _mm512_set1_epi16(0xF));
+        *w1 = _mm512_srli_epi16(v, 4);
+    }
+}
+
+#define WIDE_INLINE static inline __attribute__((always_inline)) /* a copy per row count */
+
+WIDE_INLINE void wide_sums(const int16_t *x0, int64_t k, int64_t pairs, const uint8_t *w,
+                           const int int8, const int r, __m512i *sa, __m512i *sb) {
+    __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
+            a7 = a0, a8 = a0, a9 = a0, a10 = a0, a11 = a0;
+    __m512i b0 = a0, b1 = a0, b2 = a0, b3 = a0, b4 = a0, b5 = a0, b6 = a0, b7 = a0, b8 = a0,
+            b9 = a0, b10 = a0, b11 = a0;
+    __m512i c0 = a0, c1 = a0, c2 = a0, c3 = a0, c4 = a0, c5 = a0;
+    __m512i d0 = a0, d1 = a0, d2 = a0, d3 = a0, d4 = a0, d5 = a0;
+    const int split = r <= 6;
+    int64_t p = 0;
+#define ROW(i, A, B, P)                                                   \
+        if (r > i) {                                                      \
+            int32_t pair;                                                 \
+            memcpy(&pair, x0 + i * k + 2 * (P), sizeof pair);             \
+            const __m512i xp = _mm512_set1_epi32(pair);                   \
+            A##i = _mm512_dpwssd_epi32(A##i, w0, xp);                     \
+            B##i = _mm512_dpwssd_epi32(B##i, w1, xp);                     \
+        }
+    if (split)
+        for (; p + 1 < pairs; p += 2) {
+            __m512i w0, w1;
+            wide_pair(w, p, int8, &w0, &w1);
+            ROW(0, a, b, p) ROW(1, a, b, p) ROW(2, a, b, p)
+            ROW(3, a, b, p) ROW(4, a, b, p) ROW(5, a, b, p)
+            wide_pair(w, p + 1, int8, &w0, &w1);
+            ROW(0, c, d, p + 1) ROW(1, c, d, p + 1) ROW(2, c, d, p + 1)
+            ROW(3, c, d, p + 1) ROW(4, c, d, p + 1) ROW(5, c, d, p + 1)
+        }
+    for (; p < pairs; p++) {
+        __m512i w0, w1;
+        wide_pair(w, p, int8, &w0, &w1);
+        ROW(0, a, b, p) ROW(1, a, b, p) ROW(2, a, b, p) ROW(3, a, b, p)
+        ROW(4, a, b, p) ROW(5, a, b, p) ROW(6, a, b, p) ROW(7, a, b, p)
+        ROW(8, a, b, p) ROW(9, a, b, p) ROW(10, a, b, p) ROW(11, a, b, p)
+    }
+#undef ROW
+    const __m512i as[WIDE_ROWS] = {a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11};
+    const __m512i bs[WIDE_ROWS] = {b0, b1, b2, b3, b4, b5, b6, b7, b8, b9, b10, b11};
+    const __m512i cs[6] = {c0, c1, c2, c3, c4, c5}, ds[6] = {d0, d1, d2, d3, d4, d5};
+    for (int i = 0; i < r; i++) {
+        sa[i] = split ? _mm512_add_epi32(as[i], cs[i]) : as[i];
+        sb[i] = split ? _mm512_add_epi32(bs[i], ds[i]) : bs[i];
+    }
+}
+
+static inline __m512 half16(const uint8_t *p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+
+/* Row i's 32 outputs from yacc[i] into y (fp32, or bf16 rounded as store_bf16 does). */
+static inline void wide_store(float yacc[][32], void *y, int64_t n, const int r,
+                              const int out_fp32) {
+    for (int i = 0; i < r; i++) {
+        if (out_fp32)
+            memcpy((float *)y + i * n, yacc[i], 32 * sizeof(float));
+        else
+            for (int j = 0; j < 32; j++) ((uint16_t *)y)[i * n + j] = float_to_bf16(yacc[i][j]);
+    }
+}
+
+/* half_block's arithmetic for both halves at once. */
+WIDE_INLINE void wide_block(const int16_t *xq, int64_t k, const float *xa, const float *xsum,
+                            int64_t groups, int64_t group, const uint8_t *blk, void *y,
+                            int64_t n, const int r, const int out_fp32, int prefetch) {
+    float yacc[WIDE_ROWS][32] __attribute__((aligned(64))) = {{0}};
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *head = blk + g * group_bytes(group);
+        if (prefetch) ahead(head, group_bytes(group));
+        __m512i aa[WIDE_ROWS], ab[WIDE_ROWS];
+        wide_sums(xq + g * group, k, group / 2, head + GROUP_HEAD, 0, r, aa, ab);
+        const __m512 sa = half16(head), sb = half16(head + 32);
+        const __m512 m8 = _mm512_set1_ps(-8.0f);
+        const __m512 za = _mm512_add_ps(half16(head + 64), _mm512_mul_ps(m8, sa));
+        const __m512 zb = _mm512_add_ps(half16(head + 96), _mm512_mul_ps(m8, sb));
+        for (int i = 0; i < r; i++) {
+            __m512 xs = _mm512_set1_ps(xsum[i * groups + g]);
+            __m512 a = _mm512_set1_ps(xa[i * groups + g]);
+            __m512 ya = _mm512_load_ps(yacc[i]), yb = _mm512_load_ps(yacc[i] + 16);
+            ya = _mm512_fmadd_ps(xs, za, _mm512_fmadd_ps(_mm512_cvtepi32_ps(aa[i]),
+                                                        _mm512_mul_ps(a, sa), ya));
+            yb = _mm512_fmadd_ps(xs, zb, _mm512_fmadd_ps(_mm512_cvtepi32_ps(ab[i]),
+                                                        _mm512_mul_ps(a, sb), yb));
+            _mm512_store_ps(yacc[i], ya);
+            _mm512_store_ps(yacc[i] + 16, yb);
+        }
+    }
+    wide_store(yacc, y, n, r, out_fp32);
+}
+
+/* half_block8's arithmetic for both halves at once. */
+WIDE_INLINE void wide_block8(const int16_t *xq, int64_t k, const float *xa, int64_t xg,
+                             const int8_t *blk, const float *scale, void *y, int64_t n,
+                             const int r, int out_fp32, int prefetch) {
+    float yacc[WIDE_ROWS][32] __attribute__((aligned(64))) = {{0}};
+    int64_t groups = k / xg;
+    for (int64_t g = 0; g < groups; g++) {
+        __m512i a0[WIDE_ROWS], a1[WIDE_ROWS];
+        if (prefetch) ahead(blk + g * xg * 32, xg * 32);
+        wide_sums(xq + g * xg, k, xg / 2, (const uint8_t *)blk + g * xg * 32, 1, r, a0, a1);
+        for (int i = 0; i < r; i++) {
+            __m512 a = _mm512_set1_ps(xa[i * groups + g]);
+            _mm512_store_ps(yacc[i], _mm512_fmadd_ps(_mm512_cvtepi32_ps(a0[i]), a,
+                                                     _mm512_load_ps(yacc[i])));
+            _mm512_store_ps(yacc[i] + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1[i]), a,
+                                                          _mm512_load_ps(yacc[i] + 16)));
+        }
+    }
+    const __m512 s0 = _mm512_loadu_ps(scale), s1 = _mm512_loadu_ps(scale + 16);
+    for (int i = 0; i < r; i++) {
+        _mm512_store_ps(yacc[i], _mm512_mul_ps(_mm512_load_ps(yacc[i]), s0));
+        _mm512_store_ps(yacc[i] + 16, _mm512_mul_ps(_mm512_load_ps(yacc[i] + 16), s1));
+    }
+    wide_store(yacc, y, n, r, out_fp32);
+}
+#endif
+
 /* xf: fp32 [m, k]; y: [m, n], bf16 or (out_fp32) fp32. Returns nonzero if out of memory. */
 static int gemm4(const float *xf, const uint8_t *packed, void *y, int64_t m, int64_t n,
                  int64_t k, int64_t group, int out_fp32) {
@@ -235,6 +390,19 @@ static int gemm4(const float *xf, const uint8_t *packed, void *y, int64_t m, int
     #pragma omp parallel for schedule(static) if (blocks >= 4)
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *blk = packed + b * groups * group_bytes(group);
+#ifdef WIDE_ROWS
+        for (int64_t i = 0; i < m; i += WIDE_ROWS) {
+            int r = m - i < WIDE_ROWS ? (int)(m - i) : WIDE_ROWS;
+            const int16_t *xi = xq + i * k;
+            const float *xs = xsum + i * groups, *as = xa + i * groups;
+            char *yi = (char *)y + (i * n + b * 32) * (out_fp32 ? 4 : 2);
+#define FP32(R) wide_block(xi, k, as, xs, groups, group, blk, yi, n, R, 1, i == 0)
+#define BF16(R) wide_block(xi, k, as, xs, groups, group, blk, yi, n, R, 0, i == 0)
+            if (out_fp32) WIDE_CASES(FP32) else WIDE_CASES(BF16)
+#undef FP32
+#undef BF16
+        }
+#else
         for (int64_t i = 0; i < m; i += ROWS) {
             int r = m - i < ROWS ? (int)(m - i) : ROWS;
             const int16_t *xi = xq + i * k;
@@ -248,6 +416,7 @@ static int gemm4(const float *xf, const uint8_t *packed, void *y, int64_t m, int
 #undef BF16
             }
         }
+#endif
     }
     free(mem);
     return 0;
@@ -354,6 +523,17 @@ static int gemm8(const float *xf, const int8_t *packed, const float *scale, void
     #pragma omp parallel for schedule(static) if (blocks >= 4)
     for (int64_t b = 0; b < blocks; b++) {
         const int8_t *blk = packed + b * k * 32;
+#ifdef WIDE_ROWS
+        for (int64_t i = 0; i < m; i += WIDE_ROWS) {
+            int r = m - i < WIDE_ROWS ? (int)(m - i) : WIDE_ROWS;
+            const int16_t *xi = xq + i * k;
+            const float *ai = xa + i * (k / xg), *sc = scale + b * 32;
+            char *yi = (char *)y + (i * n + b * 32) * (out_fp32 ? 4 : 2);
+#define BLOCK8(R) wide_block8(xi, k, ai, xg, blk, sc, yi, n, R, out_fp32, i == 0)
+            WIDE_CASES(BLOCK8);
+#undef BLOCK8
+        }
+#else
         for (int64_t i = 0; i < m; i += ROWS) {
             int r = m - i < ROWS ? (int)(m - i) : ROWS;
             const int16_t *xi = xq + i * k;
@@ -365,6 +545,7 @@ static int gemm8(const float *xf, const int8_t *packed, const float *scale, void
 #undef BLOCK8
             }
         }
+#endif
     }
     free(mem);
     return 0;
@@ -419,4 +600,11 @@ int int8_gemm_f32(const void *x, const void *packed, const void *scale, void *y,
 
 int avx2_gemm_available(void) { return 0; }
 
+#endif
+
+/* 1 where the AVX-512 VNNI path is compiled in (said at load), else 0. */
+#ifdef WIDE_ROWS
+int avx2_gemm_wide(void) { return 1; }
+#else
+int avx2_gemm_wide(void) { return 0; }
 #endif

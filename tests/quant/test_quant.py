@@ -225,7 +225,9 @@ def test_a_kind_whose_library_is_refused_hands_over_to_the_next(monkeypatch):
 @pytest.mark.skipif("avx2" not in KERNEL_KINDS, reason="needs AVX2, FMA and F16C")
 def test_the_avx2_kernels_build_for_haswell_and_pass_their_check(tmp_path):
     """avx2_gemm.c compiled for an AVX2-only CPU (-march=haswell: no AVX-512 registers or
-    instructions) passes the same check as the library the server loads."""
+    instructions) passes the same check as the library the server loads, and where that one has
+    the AVX-512 VNNI path, gives its bits: int4 and int8, bf16 and fp32, at every row count
+    around both paths' passes (6 and 12 rows) and the VNNI path's split sums (up to 6 rows)."""
     import ctypes
     import shutil
     import subprocess
@@ -249,6 +251,30 @@ def test_the_avx2_kernels_build_for_haswell_and_pass_their_check(tmp_path):
         getattr(lib, name).restype = ctypes.c_int
         getattr(lib, name).argtypes = argtypes
     assert cpu_gemm._self_check(lib) is None
+    assert not cpu_gemm.wide(lib)
+    native = cpu_gemm.of_kind("avx2")
+    if not cpu_gemm.wide(native):
+        return
+    lib.int4_gemm_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
+    lib.int8_gemm_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+    lib.int4_gemm_f32.restype = lib.int8_gemm_f32.restype = ctypes.c_int
+    torch.manual_seed(5)
+    q, scale, zero = quantize_int4(torch.randn(96, 192) * 0.05, 64)
+    layout = cpu_gemm.pack_int4(q, scale, zero, 64)
+    s8 = torch.rand(64) / 100
+    x = torch.randn(26, 192)
+    for m in (1, 2, 5, 6, 7, 12, 13, 26):
+        for dtype in (torch.float32, torch.bfloat16):
+            assert torch.equal(cpu_gemm.gemm(x[:m].to(dtype), layout, 64, lib),
+                               cpu_gemm.gemm(x[:m].to(dtype), layout, 64, native)), (m, dtype)
+    for k in (200, 202):  # x's int16 groups of 8 inputs (4 pairs), and of 2 (one pair)
+        q8 = cpu_gemm.pack_int8(torch.randint(-127, 128, (64, k), dtype=torch.int8))
+        x8 = torch.randn(26, k)
+        for m in (1, 2, 5, 6, 7, 12, 13, 26):
+            for dtype, out in ((torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                               (torch.bfloat16, torch.bfloat16)):
+                assert torch.equal(cpu_gemm.gemm_int8(x8[:m].to(dtype), q8, s8, lib, out),
+                                   cpu_gemm.gemm_int8(x8[:m].to(dtype), q8, s8, native, out))
 
 
 @pytest.fixture(params=KERNEL_KINDS)
@@ -395,7 +421,9 @@ def test_the_kernels_a_model_runs_are_named(monkeypatch):
     prepare_quantized(built)
     if cpu_gemm.checked() is not None:  # this CPU's kind, or the next one down that built
         said = cpu_kernels(built)
-        assert said in {f"{p.name} for all 2 int4/int8 layers" for p in cpu_gemm.SOURCES.values()}
+        vnni = " (AVX-512 VNNI)" if cpu_gemm.wide(cpu_gemm.checked()) else ""
+        assert said in {f"{p.name}{vnni} for all 2 int4/int8 layers"
+                        for p in cpu_gemm.SOURCES.values()}
         assert cpu_gemm.checked() is not cpu_gemm.of_kind(cpu_gemm.KIND) or \
             said.startswith(cpu_gemm.SOURCE.name)
     monkeypatch.setattr(cpu_gemm, "_state", [None])  # what checked() holds when none built
@@ -438,8 +466,9 @@ def test_fp32_activations_go_through_unrounded_where_the_kernels_take_them(kerne
 
 
 def test_int4_gemm_rows_are_independent_and_close_to_the_reference(kernel_kind):
-    """Our kernels at every row count up to past their blocks of 4 and 6 rows, with the real model's
-    group size and widths: each row the same bits as alone, within bf16 rounding of fp32."""
+    """Our kernels at every row count up to past their blocks of 4, 6 and 12 rows, with the real
+    model's group size and widths: each row the same bits as alone, within bf16 rounding of
+    fp32."""
     from server.quant import cpu_gemm
 
     torch.manual_seed(4)
@@ -447,7 +476,7 @@ def test_int4_gemm_rows_are_independent_and_close_to_the_reference(kernel_kind):
     layout = cpu_gemm.pack_int4(q, scale, zero, 32)
     x = torch.randn(37, 576).bfloat16()
     alone = torch.cat([cpu_gemm.gemm(x[i:i + 1], layout, 32) for i in range(37)])
-    for m in (1, 2, 3, 4, 5, 8, 9, 16, 33, 37):
+    for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 16, 25, 33, 37):
         assert torch.equal(cpu_gemm.gemm(x[:m], layout, 32), alone[:m]), m
     want = x.float() @ dequantize_int4(q, scale, zero, 32).t()
     assert (alone.float() - want).abs().max() < 0.01 * want.abs().max()
