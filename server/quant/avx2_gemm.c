@@ -57,6 +57,13 @@ static inline __m256 half8(const uint8_t *p) {
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
 }
 
+/* A group's fp32 steps on its int32 sums, written once for 8 lanes (V = _mm256) and 16 (_mm512)
+ * so that both paths round alike: zero - 8 * scale (what each unit of sum_k x adds, q's offset
+ * folded in), then y + sum * (a * scale) + sum_k x * that. */
+#define ZERO_OFFSET(V, zero, s) V##_add_ps(zero, V##_mul_ps(V##_set1_ps(-8.0f), s))
+#define GROUP_STEP(V, y, sum, a, s, xs, z) \
+    V##_fmadd_ps(xs, z, V##_fmadd_ps(V##_cvtepi32_ps(sum), V##_mul_ps(a, s), y))
+
 /* acc + vpmaddwd(w, x) in acc's own register: from the intrinsics gcc moves every sum to a new
  * register each step and spills them from 4 rows on. Exact either way: only speed differs. */
 static inline __m256i madd_acc(__m256i acc, __m256i w, __m256i x) {
@@ -198,20 +205,15 @@ static inline void half_block(const int16_t *xq, int64_t k, const float *xa,
         __m256i aa[ROWS], ab[ROWS];
         pair_sums(xq + g * group, k, group / 2, pk, 0, r, aa, ab);
         const __m256 sa = half8(head + hb * 16), sb = half8(head + 32 + hb * 16);
-        const __m256 m8 = _mm256_set1_ps(-8.0f);
-        /* zero - 8 * scale: what each unit of sum_k x adds, q's offset folded in */
-        const __m256 za = _mm256_add_ps(half8(head + 64 + hb * 16), _mm256_mul_ps(m8, sa));
-        const __m256 zb = _mm256_add_ps(half8(head + 96 + hb * 16), _mm256_mul_ps(m8, sb));
+        const __m256 za = ZERO_OFFSET(_mm256, half8(head + 64 + hb * 16), sa);
+        const __m256 zb = ZERO_OFFSET(_mm256, half8(head + 96 + hb * 16), sb);
         for (int i = 0; i < r; i++) {
             __m256 xs = _mm256_set1_ps(xsum[i * groups + g]);
             __m256 a = _mm256_set1_ps(xa[i * groups + g]);
-            __m256 ya = _mm256_load_ps(yacc[i]), yb = _mm256_load_ps(yacc[i] + 8);
-            ya = _mm256_fmadd_ps(xs, za, _mm256_fmadd_ps(_mm256_cvtepi32_ps(aa[i]),
-                                                        _mm256_mul_ps(a, sa), ya));
-            yb = _mm256_fmadd_ps(xs, zb, _mm256_fmadd_ps(_mm256_cvtepi32_ps(ab[i]),
-                                                        _mm256_mul_ps(a, sb), yb));
-            _mm256_store_ps(yacc[i], ya);
-            _mm256_store_ps(yacc[i] + 8, yb);
+            _mm256_store_ps(yacc[i], GROUP_STEP(_mm256, _mm256_load_ps(yacc[i]), aa[i], a, sa,
+                                                xs, za));
+            _mm256_store_ps(yacc[i] + 8, GROUP_STEP(_mm256, _mm256_load_ps(yacc[i] + 8), ab[i], a,
+                                                    sb, xs, zb));
         }
     }
     for (int i = 0; i < r; i++) {
@@ -340,19 +342,15 @@ WIDE_INLINE void wide_block(const int16_t *xq, int64_t k, const float *xa, const
         __m512i aa[WIDE_ROWS], ab[WIDE_ROWS];
         wide_sums(xq + g * group, k, group / 2, head + GROUP_HEAD, 0, r, aa, ab);
         const __m512 sa = half16(head), sb = half16(head + 32);
-        const __m512 m8 = _mm512_set1_ps(-8.0f);
-        const __m512 za = _mm512_add_ps(half16(head + 64), _mm512_mul_ps(m8, sa));
-        const __m512 zb = _mm512_add_ps(half16(head + 96), _mm512_mul_ps(m8, sb));
+        const __m512 za = ZERO_OFFSET(_mm512, half16(head + 64), sa);
+        const __m512 zb = ZERO_OFFSET(_mm512, half16(head + 96), sb);
         for (int i = 0; i < r; i++) {
             __m512 xs = _mm512_set1_ps(xsum[i * groups + g]);
             __m512 a = _mm512_set1_ps(xa[i * groups + g]);
-            __m512 ya = _mm512_load_ps(yacc[i]), yb = _mm512_load_ps(yacc[i] + 16);
-            ya = _mm512_fmadd_ps(xs, za, _mm512_fmadd_ps(_mm512_cvtepi32_ps(aa[i]),
-                                                        _mm512_mul_ps(a, sa), ya));
-            yb = _mm512_fmadd_ps(xs, zb, _mm512_fmadd_ps(_mm512_cvtepi32_ps(ab[i]),
-                                                        _mm512_mul_ps(a, sb), yb));
-            _mm512_store_ps(yacc[i], ya);
-            _mm512_store_ps(yacc[i] + 16, yb);
+            _mm512_store_ps(yacc[i], GROUP_STEP(_mm512, _mm512_load_ps(yacc[i]), aa[i], a, sa,
+                                                xs, za));
+            _mm512_store_ps(yacc[i] + 16, GROUP_STEP(_mm512, _mm512_load_ps(yacc[i] + 16), ab[i],
+                                                     a, sb, xs, zb));
         }
     }
     wide_store(yacc, y, n, r, out_fp32);
