@@ -18,7 +18,7 @@
  * int8 (the LM head): the same with int8 weights, x in int16 per group of 32 inputs.
  *
  * Where the compiler targets AVX-512 VNNI (-march=native on such a CPU), the int32 sums come
- * from vpdpwssd on whole blocks instead (WIDE_ROWS, below): the same bits, 1.3-2x faster.
+ * from vpdpwssd on whole blocks instead (WIDE_ROWS, below): the same bits, 1.3-2.5x faster.
  *
  * Batch invariance: each row takes the same instructions in the same order whether it is
  * computed alone or among others; a row's accumulators never mix with another's. Returns
@@ -243,12 +243,9 @@ static inline void half_block(const int16_t *xq, int64_t k, const float *xa,
         case 3: call(3); break; case 2: call(2); break; default: call(1);                  \
     }
 
-/* pair_sums for a whole block: outputs 0-15 (sa) and 16-31 (sb). int4: a pair's 32 bytes
- * widen to 32 int16 lanes, 32-bit lane j = output j (low nibbles) and j + 16 (high ones);
- * int8: a pair's first 32 bytes are outputs 0-15, the next 32 outputs 16-31. Up to 6 rows,
- * odd pairs go to a second set of sums (c, d), added at the end: each vpdpwssd waits for the
- * last on its sum, so one set left one row latency-bound (1.4x fewer GMAC/s at one row, in
- * cache); int32 sums in any order are the same. */
+/* Input pair p's weights for the whole block: outputs 0-15 (w0) and 16-31 (w1). int4: the
+ * pair's 32 bytes widen to 32 int16 lanes, 32-bit lane j = output j (low nibbles) and j + 16
+ * (high ones); int8: the pair's first 32 bytes are outputs 0-15, the next 32 outputs 16-31. */
 static inline __attribute__((always_inline)) void wide_pair(const uint8_t *w, int64_t p,
                                                            const int int8, __m512i *w0,
                                                            __m512i *w1) {
@@ -265,12 +262,16 @@ static inline __attribute__((always_inline)) void wide_pair(const uint8_t *w, in
 #define WIDE_INLINE static inline __attribute__((always_inline)) /* a copy per row count */
 
 /* acc + vpdpwssd(w, x) in acc's own register (as madd_acc: from the intrinsic gcc copied every
- * sum to a new register and to the stack each step, 2.3x slower at 12 rows). */
+ * sum to a new register and to the stack each step: 150 GMAC/s instead of 210-236). */
 static inline __m512i dp_acc(__m512i acc, __m512i w, __m512i x) {
     __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(x));
     return acc;
 }
 
+/* pair_sums for a whole block: outputs 0-15 (sa) and 16-31 (sb). Up to 6 rows, odd pairs go
+ * to a second set of sums (c, d), added at the end: each vpdpwssd waits for the last on its
+ * sum, so one set left one row latency-bound (1.4x fewer GMAC/s at one row, in cache); int32
+ * sums in any order are the same. */
 WIDE_INLINE void wide_sums(const int16_t *x0, int64_t k, int64_t pairs, const uint8_t *w,
                            const int int8, const int r, __m512i *sa, __m512i *sb) {
     __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,

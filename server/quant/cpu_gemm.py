@@ -218,7 +218,7 @@ def source_in_use() -> str | None:
 
 def wide(lib) -> bool:
     """Whether `lib` is avx2_gemm.c built with its AVX-512 VNNI path (bit for bit the AVX2
-    path's results, 1.4-2x its speed)."""
+    path's results, 1.3-2.5x its speed)."""
     fn = getattr(lib, "avx2_gemm_wide", None)
     return fn is not None and fn() == 1
 
