@@ -63,6 +63,8 @@ static inline __m256 half8(const uint8_t *p) {
 #define ZERO_OFFSET(V, zero, s) V##_add_ps(zero, V##_mul_ps(V##_set1_ps(-8.0f), s))
 #define GROUP_STEP(V, y, sum, a, s, xs, z) \
     V##_fmadd_ps(xs, z, V##_fmadd_ps(V##_cvtepi32_ps(sum), V##_mul_ps(a, s), y))
+/* int8: y + sum * a per group of inputs (the row scales multiply once at the end). */
+#define INT8_STEP(V, y, sum, a) V##_fmadd_ps(V##_cvtepi32_ps(sum), a, y)
 
 /* acc + vpmaddwd(w, x) in acc's own register: from the intrinsics gcc moves every sum to a new
  * register each step and spills them from 4 rows on. Exact either way: only speed differs. */
@@ -369,10 +371,9 @@ WIDE_INLINE void wide_block8(const int16_t *xq, int64_t k, const float *xa, int6
         wide_sums(xq + g * xg, k, xg / 2, (const uint8_t *)blk + g * xg * 32, 1, r, a0, a1);
         for (int i = 0; i < r; i++) {
             __m512 a = _mm512_set1_ps(xa[i * groups + g]);
-            _mm512_store_ps(yacc[i], _mm512_fmadd_ps(_mm512_cvtepi32_ps(a0[i]), a,
-                                                     _mm512_load_ps(yacc[i])));
-            _mm512_store_ps(yacc[i] + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1[i]), a,
-                                                          _mm512_load_ps(yacc[i] + 16)));
+            _mm512_store_ps(yacc[i], INT8_STEP(_mm512, _mm512_load_ps(yacc[i]), a0[i], a));
+            _mm512_store_ps(yacc[i] + 16, INT8_STEP(_mm512, _mm512_load_ps(yacc[i] + 16), a1[i],
+                                                    a));
         }
     }
     const __m512 s0 = _mm512_loadu_ps(scale), s1 = _mm512_loadu_ps(scale + 16);
@@ -381,6 +382,25 @@ WIDE_INLINE void wide_block8(const int16_t *xq, int64_t k, const float *xa, int6
         _mm512_store_ps(yacc[i] + 16, _mm512_mul_ps(_mm512_load_ps(yacc[i] + 16), s1));
     }
     wide_store(yacc, y, n, r, out_fp32);
+}
+#endif
+
+/* One pass of r rows over a block of 32 outputs: int4 (pass4) and int8 (pass8, before gemm8),
+ * on the path this build has, PASS_ROWS rows at most. */
+#ifdef WIDE_ROWS
+#define PASS_ROWS WIDE_ROWS
+#define PASS_CASES WIDE_CASES
+#define pass4 wide_block
+#define pass8 wide_block8
+#else
+#define PASS_ROWS ROWS
+#define PASS_CASES ROWS_CASES
+static inline __attribute__((always_inline)) void pass4(
+        const int16_t *xq, int64_t k, const float *xa, const float *xsum, int64_t groups,
+        int64_t group, const uint8_t *blk, void *y, int64_t n, const int r, const int out_fp32,
+        int prefetch) {
+    for (int hb = 0; hb < 2; hb++)
+        half_block(xq, k, xa, xsum, groups, group, blk, y, n, r, hb, out_fp32, prefetch && !hb);
 }
 #endif
 
@@ -396,33 +416,18 @@ static int gemm4(const float *xf, const uint8_t *packed, void *y, int64_t m, int
     #pragma omp parallel for schedule(static) if (blocks >= 4)
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *blk = packed + b * groups * group_bytes(group);
-#ifdef WIDE_ROWS
-        for (int64_t i = 0; i < m; i += WIDE_ROWS) {
-            int r = m - i < WIDE_ROWS ? (int)(m - i) : WIDE_ROWS;
+        for (int64_t i = 0; i < m; i += PASS_ROWS) {
+            int r = m - i < PASS_ROWS ? (int)(m - i) : PASS_ROWS;
             const int16_t *xi = xq + i * k;
             const float *xs = xsum + i * groups, *as = xa + i * groups;
             char *yi = (char *)y + (i * n + b * 32) * (out_fp32 ? 4 : 2);
-#define FP32(R) wide_block(xi, k, as, xs, groups, group, blk, yi, n, R, 1, i == 0)
-#define BF16(R) wide_block(xi, k, as, xs, groups, group, blk, yi, n, R, 0, i == 0)
-            if (out_fp32) WIDE_CASES(FP32) else WIDE_CASES(BF16)
+            /* constant output types too */
+#define FP32(R) pass4(xi, k, as, xs, groups, group, blk, yi, n, R, 1, i == 0)
+#define BF16(R) pass4(xi, k, as, xs, groups, group, blk, yi, n, R, 0, i == 0)
+            if (out_fp32) PASS_CASES(FP32) else PASS_CASES(BF16)
 #undef FP32
 #undef BF16
         }
-#else
-        for (int64_t i = 0; i < m; i += ROWS) {
-            int r = m - i < ROWS ? (int)(m - i) : ROWS;
-            const int16_t *xi = xq + i * k;
-            const float *xs = xsum + i * groups, *as = xa + i * groups;
-            char *yi = (char *)y + (i * n + b * 32) * (out_fp32 ? 4 : 2);
-            for (int hb = 0; hb < 2; hb++) {  /* constant output types too */
-#define FP32(R) half_block(xi, k, as, xs, groups, group, blk, yi, n, R, hb, 1, i == 0 && hb == 0)
-#define BF16(R) half_block(xi, k, as, xs, groups, group, blk, yi, n, R, hb, 0, i == 0 && hb == 0)
-                if (out_fp32) ROWS_CASES(FP32) else ROWS_CASES(BF16)
-#undef FP32
-#undef BF16
-            }
-        }
-#endif
     }
     free(mem);
     return 0;
@@ -489,13 +494,12 @@ static inline void half_block8(const int16_t *xq, int64_t k, const float *xa, in
     for (int64_t g = 0; g < groups; g++) {
         __m256i a0[ROWS], a1[ROWS];
         if (prefetch) ahead(blk + g * xg * 32, xg * 32);
-        pair_sums(xq + g * xg, k, xg / 2, (const uint8_t *)blk + g * xg * 32 + hb * 32, 1, r, a0, a1);
+        pair_sums(xq + g * xg, k, xg / 2, (const uint8_t *)blk + g * xg * 32 + hb * 32, 1, r, a0,
+                  a1);
         for (int i = 0; i < r; i++) {
             __m256 a = _mm256_set1_ps(xa[i * groups + g]);
-            _mm256_store_ps(yacc[i], _mm256_fmadd_ps(_mm256_cvtepi32_ps(a0[i]), a,
-                                                     _mm256_load_ps(yacc[i])));
-            _mm256_store_ps(yacc[i] + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(a1[i]), a,
-                                                         _mm256_load_ps(yacc[i] + 8)));
+            _mm256_store_ps(yacc[i], INT8_STEP(_mm256, _mm256_load_ps(yacc[i]), a0[i], a));
+            _mm256_store_ps(yacc[i] + 8, INT8_STEP(_mm256, _mm256_load_ps(yacc[i] + 8), a1[i], a));
         }
     }
     const __m256 s0 = _mm256_loadu_ps(scale + 16 * hb), s1 = _mm256_loadu_ps(scale + 16 * hb + 8);
@@ -511,6 +515,15 @@ static inline void half_block8(const int16_t *xq, int64_t k, const float *xa, in
         }
     }
 }
+
+#ifndef WIDE_ROWS
+static inline __attribute__((always_inline)) void pass8(
+        const int16_t *xq, int64_t k, const float *xa, int64_t xg, const int8_t *blk,
+        const float *scale, void *y, int64_t n, const int r, int out_fp32, int prefetch) {
+    for (int hb = 0; hb < 2; hb++)
+        half_block8(xq, k, xa, xg, blk, scale, y, n, r, hb, out_fp32, prefetch && !hb);
+}
+#endif
 
 /* Returns nonzero if out of memory. */
 static int gemm8(const float *xf, const int8_t *packed, const float *scale, void *y,
@@ -529,29 +542,15 @@ static int gemm8(const float *xf, const int8_t *packed, const float *scale, void
     #pragma omp parallel for schedule(static) if (blocks >= 4)
     for (int64_t b = 0; b < blocks; b++) {
         const int8_t *blk = packed + b * k * 32;
-#ifdef WIDE_ROWS
-        for (int64_t i = 0; i < m; i += WIDE_ROWS) {
-            int r = m - i < WIDE_ROWS ? (int)(m - i) : WIDE_ROWS;
+        for (int64_t i = 0; i < m; i += PASS_ROWS) {
+            int r = m - i < PASS_ROWS ? (int)(m - i) : PASS_ROWS;
             const int16_t *xi = xq + i * k;
             const float *ai = xa + i * (k / xg), *sc = scale + b * 32;
             char *yi = (char *)y + (i * n + b * 32) * (out_fp32 ? 4 : 2);
-#define BLOCK8(R) wide_block8(xi, k, ai, xg, blk, sc, yi, n, R, out_fp32, i == 0)
-            WIDE_CASES(BLOCK8);
+#define BLOCK8(R) pass8(xi, k, ai, xg, blk, sc, yi, n, R, out_fp32, i == 0)
+            PASS_CASES(BLOCK8);
 #undef BLOCK8
         }
-#else
-        for (int64_t i = 0; i < m; i += ROWS) {
-            int r = m - i < ROWS ? (int)(m - i) : ROWS;
-            const int16_t *xi = xq + i * k;
-            const float *ai = xa + i * (k / xg), *sc = scale + b * 32;
-            char *yi = (char *)y + (i * n + b * 32) * (out_fp32 ? 4 : 2);
-            for (int hb = 0; hb < 2; hb++) {
-#define BLOCK8(R) half_block8(xi, k, ai, xg, blk, sc, yi, n, R, hb, out_fp32, i == 0 && hb == 0)
-                ROWS_CASES(BLOCK8);
-#undef BLOCK8
-            }
-        }
-#endif
     }
     free(mem);
     return 0;

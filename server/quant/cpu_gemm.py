@@ -241,6 +241,11 @@ def _open(source: Path):
     lib = native.library(source)
     if lib is None or not getattr(lib, f"{source.stem}_available")():
         return None
+    return typed(lib)
+
+
+def typed(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """`lib` (one of SOURCES, built) with its functions' ctypes signatures set."""
     lib.int4_gemm.restype = lib.int4_unpack_q4x32.restype = lib.int8_gemm.restype = ctypes.c_int
     lib.int8_gemm.argtypes = [_P] * 4 + [_I] * 3 + [ctypes.c_int]
     lib.int4_gemm.argtypes = [_P] * 4 + [_I] * 4

@@ -241,23 +241,13 @@ def test_the_avx2_kernels_build_for_haswell_and_pass_their_check(tmp_path):
                     "-lm"], check=True, capture_output=True)
     disassembly = subprocess.run(["objdump", "-d", str(out)], capture_output=True, text=True)
     assert disassembly.returncode != 0 or "zmm" not in disassembly.stdout
-    lib = ctypes.CDLL(str(out))
-    lib.avx2_gemm_available.restype = ctypes.c_int
+    lib = cpu_gemm.typed(ctypes.CDLL(str(out)))
     assert lib.avx2_gemm_available() == 1
-    for name, argtypes in (("int4_gemm", [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4),
-                           ("int8_gemm", [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
-                            + [ctypes.c_int]),
-                           ("int4_unpack_q4x32", [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 5)):
-        getattr(lib, name).restype = ctypes.c_int
-        getattr(lib, name).argtypes = argtypes
     assert cpu_gemm._self_check(lib) is None
     assert not cpu_gemm.wide(lib)
     native = cpu_gemm.of_kind("avx2")
     if not cpu_gemm.wide(native):
         return
-    lib.int4_gemm_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
-    lib.int8_gemm_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
-    lib.int4_gemm_f32.restype = lib.int8_gemm_f32.restype = ctypes.c_int
     torch.manual_seed(5)
     q, scale, zero = quantize_int4(torch.randn(96, 192) * 0.05, 64)
     layout = cpu_gemm.pack_int4(q, scale, zero, 64)
