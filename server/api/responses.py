@@ -23,9 +23,9 @@ from server.api.auth import tenant
 from server.api.errors import APIError, invalid
 from server.api.files import int_param, page
 from server.api.responses_protocol import ResponsesRequest, parse_responses_request
-from server.api.serving import Generation, TokenText, answer_for_batch, respond
+from server.api.serving import Generation, TokenText, answer_for_batch, respond, with_max_tokens
 from server.api.state import ServerState
-from server.api.turn import Turn, pieces, start_turn
+from server.api.turn import Turn, count_prompt_tokens, pieces, start_turn
 from server.api.usage import TokenCount
 
 
@@ -118,28 +118,64 @@ async def _start(state: ServerState, req: ResponsesRequest, salt: str, priority:
                                    "previous_response_id")
     conversation = history + req.chat.messages
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
-    seen = conversation
-    while True:
-        chat = replace(req.chat, messages=system + seen)
-        try:
-            turn = await start_turn(state, chat, salt, priority, f"resp_{uuid.uuid4().hex}",
-                                    "input", "text.format")
-            break
-        except APIError as e:
-            if not req.truncate or e.code != "context_length_exceeded" or len(seen) < 2:
-                raise
-            seen = _without_oldest(seen)
+
+    async def start(messages: list[dict[str, Any]]) -> Turn:
+        chat = replace(req.chat, messages=system + messages)
+        return await start_turn(state, chat, salt, priority, f"resp_{uuid.uuid4().hex}",
+                                "input", "text.format")
+
+    try:
+        turn = await start(conversation)
+    except APIError as e:
+        if not req.truncate or e.code != "context_length_exceeded" or len(conversation) < 2:
+            raise
+        turn = await start(await _fitting_tail(state, req, system, conversation))
     run = _Run(state, req, turn, conversation, salt)  # stored whole: only this turn is cut
     return Generation(run.collect, run.stream)
 
 
-def _without_oldest(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """truncation "auto": the conversation less its oldest message, and the tool results
-    that answered calls in it (a result without its call would not render)."""
-    rest = messages[1:]
-    while len(rest) > 1 and rest[0]["role"] == "tool":
-        rest = rest[1:]
-    return rest
+async def _fitting_tail(state: ServerState, req: ResponsesRequest,
+                        system: list[dict[str, Any]], conversation: list[dict[str, Any]]
+                        ) -> list[dict[str, Any]]:
+    """truncation "auto", for a conversation that does not fit: the longest tail left by
+    dropping its oldest items one at a time (_cuts) that fits the context with the answer's
+    max_output_tokens, or the last one (whose start then says it does not fit). Fewer items
+    never take more tokens, so a binary search finds it, rendering and tokenizing log2 of the
+    tails instead of one per dropped item (a 1,000-message conversation, its kept tail in the
+    prefix cache, smollm2-135m on two Intel Xeon cores: 1.0 s to the answer instead of 69)."""
+    async def fits(start: int) -> bool:
+        chat = replace(req.chat, messages=system + conversation[start:])
+        try:
+            count = await count_prompt_tokens(state, chat, "input")
+            with_max_tokens(state, chat.params, chat.max_tokens, count, "input")
+        except APIError as e:
+            if e.code != "context_length_exceeded":
+                raise
+            return False
+        return True
+
+    starts = _cuts(conversation)  # starts[0], the whole, is known not to fit
+    lo, hi = 1, len(starts) - 1  # the first that fits is in [lo, hi], or none does
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if await fits(starts[mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    return conversation[starts[lo]:]
+
+
+def _cuts(messages: list[dict[str, Any]]) -> list[int]:
+    """Where the conversation starts after each drop of its oldest message, with the tool
+    results that answered calls in it (a result without its call would not render); the
+    last item always stays. [0, ...]."""
+    starts, at = [0], 0
+    while len(messages) - at >= 2:
+        at += 1
+        while len(messages) - at > 1 and messages[at]["role"] == "tool":
+            at += 1
+        starts.append(at)
+    return starts
 
 
 class _Output:

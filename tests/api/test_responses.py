@@ -219,6 +219,48 @@ def test_truncation_auto_drops_the_oldest_items_until_the_input_fits(client):
     assert e.value.code == "context_length_exceeded"
 
 
+def test_truncation_auto_keeps_the_longest_tail_that_fits(client):
+    """Far over the context, with tool calls between: the tail kept is the longest that fits
+    (found by a binary search), the one a scan dropping one item at a time finds."""
+    import openai
+
+    words = "the sea is wide and the rivers are long and the hills are green " * 4
+    items = []
+    for i in range(24):
+        items.append({"role": "user", "content": f"{i}: {words}"})
+        if i % 5 == 2:  # a call and its result, which go with the call when it is dropped
+            items += [{"type": "function_call", "call_id": f"c{i}", "name": "add",
+                       "arguments": '{"a": 1, "b": 2}'},
+                      {"type": "function_call_output", "call_id": f"c{i}", "output": "3"}]
+        items.append({"role": "assistant", "content": f"{i}: {words}"})
+    items.append({"role": "user", "content": "And the rivers?"})
+    kwargs = dict(model=MODEL, max_output_tokens=8, tools=[ADD], **GREEDY)
+    cut = client.responses.create(input=items, truncation="auto", **kwargs)
+    for start in range(1, len(items)):  # the reference: the first tail that is not refused
+        if items[start].get("type") == "function_call_output":
+            continue  # a result whose call went
+        try:
+            rest = client.responses.create(input=items[start:], **kwargs)
+        except openai.BadRequestError as e:
+            assert e.code == "context_length_exceeded"
+            continue
+        break
+    assert 3 < start < len(items) - 10  # it dropped some, and kept some
+    assert cut.usage.input_tokens == rest.usage.input_tokens
+    assert cut.output_text == rest.output_text and cut.status == rest.status
+
+
+def test_truncation_cuts_drop_tool_results_with_their_call():
+    from server.api.responses import _cuts
+
+    def m(role):
+        return {"role": role}
+
+    messages = [m("user"), m("assistant"), m("tool"), m("tool"), m("user"), m("tool")]
+    assert _cuts(messages) == [0, 1, 4, 5]  # the last item always stays
+    assert _cuts([m("user")]) == [0]
+
+
 def test_bad_requests_name_the_field(client):
     import openai
 
