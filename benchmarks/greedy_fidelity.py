@@ -6,8 +6,9 @@ tokens come before the first divergence.
     python benchmarks/greedy_fidelity.py smollm2-135m:int4 --dtype fp32 --kv-cache-dtype bf16
 
 The engine runs every prompt together, greedy, ignore_eos, 512-token steps; the reference the
-same way. One line per run: the measure behind docs/architecture.md's note on `--dtype`
-(16 prompts x 32 tokens of smollm2-135m:int4 on Zen 5: 7 answers whole in bf16, 14 in fp32).
+same way, all in fp32 (its KV pool too). One line per run: the measure behind
+docs/architecture.md's notes on `--dtype` and the KV pool's dtype (16 prompts x 32 tokens of
+smollm2-135m:int4 on Zen 5: 7 answers whole in bf16, 14 in fp32).
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def answers(model: torch.nn.Module, prompts: list[list[int]], dtype: torch.dtype,
-            kv_dtype: torch.dtype | None, tokens: int) -> list[list[int]]:
+            kv_dtype: torch.dtype | None, tokens: int) -> tuple[list[list[int]], str]:
+    """The greedy answers, and the KV pool's dtype by name (None: the engine's default)."""
     engine = Engine(model, EngineConfig(num_blocks=2048, max_num_seqs=len(prompts),
                                         max_num_batched_tokens=512, kv_cache_dtype=kv_dtype),
                     torch.device("cpu"), dtype)
@@ -46,7 +48,8 @@ def answers(model: torch.nn.Module, prompts: list[list[int]], dtype: torch.dtype
         engine.add(s)
     while engine.has_unfinished:
         engine.step()
-    return [list(s.output_token_ids) for s in seqs]
+    names = {v: k for k, v in DTYPES.items()}
+    return [list(s.output_token_ids) for s in seqs], names[engine.kv_dtype]
 
 
 def agreement(outs: list[list[int]], refs: list[list[int]]) -> tuple[int, int]:
@@ -62,20 +65,21 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("model")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     ap.add_argument("--kv-cache-dtype", choices=sorted(DTYPES), default=None,
-                    help="default: the compute dtype")
+                    help="default: the engine's (bf16 on CPUs without native bf16, else the "
+                    "compute dtype)")
     ap.add_argument("--tokens", type=int, default=32)
     args = ap.parse_args(argv)
     stored = ModelStore().resolve(args.model)
     tokenizer = load_tokenizer(stored)
     prompts = [chat_prompt_ids(tokenizer, [{"role": "user", "content": p}]) for p in PROMPTS]
     cpu, fp32 = torch.device("cpu"), torch.float32
-    refs = answers(load_model(stored, cpu, fp32, use_kernels=False).model, prompts, fp32,
-                   None, args.tokens)
+    refs, _ = answers(load_model(stored, cpu, fp32, use_kernels=False).model, prompts, fp32,
+                      fp32, args.tokens)
     dtype, kv = DTYPES[args.dtype], args.kv_cache_dtype and DTYPES[args.kv_cache_dtype]
-    outs = answers(load_model(stored, cpu, dtype).model, prompts, dtype, kv, args.tokens)
+    outs, pool = answers(load_model(stored, cpu, dtype).model, prompts, dtype, kv, args.tokens)
     whole, before = agreement(outs, refs)
     line = (f"{stored.name} --dtype {args.dtype} --kv-cache-dtype "
-            f"{args.kv_cache_dtype or args.dtype}: {whole}/{len(prompts)} answers whole, "
+            f"{pool}: {whole}/{len(prompts)} answers whole, "
             f"{before}/{len(prompts) * args.tokens} tokens before the first divergence")
     print(line)
     return line

@@ -30,6 +30,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="window in tokens (at most the model's context)")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None, choices=("bf16", "fp32"))
+    p.add_argument("--kv-cache-dtype", default=None, choices=("bf16", "fp32"),
+                   help="NAME's KV cache (default: as `serve` keeps it); the reference keeps "
+                        "its cache in the compute dtype")
     p.set_defaults(func=run)
 
 
@@ -40,7 +43,7 @@ def default_text() -> str:
     return text[: text.rfind("\n") + 1]
 
 
-def scored_logits(model, ids: list[int], context: int = 1024) -> Iterator[tuple]:
+def scored_logits(model, ids: list[int], context: int = 1024, kv_dtype=None) -> Iterator[tuple]:
     """(logits [n, V] fp32, targets [n]) for every token but the first, window by window.
 
     Windows of `context` tokens advance by half a window; each token is scored once, with at
@@ -56,7 +59,8 @@ def scored_logits(model, ids: list[int], context: int = 1024) -> Iterator[tuple]
     scored_upto = 1  # ids[0] has no context and is not scored
     for start in range(0, len(ids), stride):
         window = ids[start:start + context]
-        logits = prompt_logits(model, window)  # [W, V]; logits[i] predicts window[i + 1]
+        # [W, V]; logits[i] predicts window[i + 1]
+        logits = prompt_logits(model, window, kv_dtype=kv_dtype)
         first_new = scored_upto - start - 1  # the first position not scored yet
         yield logits[first_new:-1], torch.tensor(window[first_new + 1:])
         scored_upto = start + len(window)
@@ -69,25 +73,27 @@ def _num_bytes(tokenizer, text: str, ids: list[int]) -> int:
     return len(text.encode()) - len(tokenizer.decode(ids[:1]).encode())
 
 
-def bits_per_byte(model, tokenizer, text: str, context: int = 1024) -> float:
+def bits_per_byte(model, tokenizer, text: str, context: int = 1024, kv_dtype=None) -> float:
     """Total NLL in bits of every token but the first, over the bytes those tokens spell."""
     from torch.nn import functional as F
 
     ids = tokenizer.encode(text, add_special_tokens=False)
     total_nats = sum(float(F.cross_entropy(logits, targets, reduction="sum"))
-                     for logits, targets in scored_logits(model, ids, context))
+                     for logits, targets in scored_logits(model, ids, context, kv_dtype))
     return total_nats / math.log(2) / _num_bytes(tokenizer, text, ids)
 
 
-def compare(model, reference, tokenizer, text: str, context: int = 1024) -> dict[str, float]:
+def compare(model, reference, tokenizer, text: str, context: int = 1024,
+            kv_dtype=None) -> dict[str, float]:
     """Bits per byte of both, and per scored token KL(reference || model) in nats: its mean
-    and 99th percentile, and how often both put the same token first."""
+    and 99th percentile, and how often both put the same token first. The model's KV cache is
+    in kv_dtype (None: its dtype), the reference's in its dtype."""
     import torch
     from torch.nn import functional as F
 
     ids = tokenizer.encode(text, add_special_tokens=False)
     nats, ref_nats, klds, same = 0.0, 0.0, [], 0
-    for (logits, targets), (ref_logits, _) in zip(scored_logits(model, ids, context),
+    for (logits, targets), (ref_logits, _) in zip(scored_logits(model, ids, context, kv_dtype),
                                                   scored_logits(reference, ids, context),
                                                   strict=True):
         logp, ref_logp = logits.log_softmax(-1), ref_logits.log_softmax(-1)
@@ -103,7 +109,7 @@ def compare(model, reference, tokenizer, text: str, context: int = 1024) -> dict
 
 
 def run(args: argparse.Namespace) -> int:
-    from server.models.device import pick_device, pick_dtype
+    from server.models.device import DTYPES, pick_device, pick_dtype, pick_kv_dtype
     from server.models.loader import load_model
     from server.models.tokenizer import load_tokenizer
     from storage.models import ModelStore
@@ -116,13 +122,14 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--context must be at least 2 tokens, got {args.context}")
     device = pick_device(args.device)
     dtype = pick_dtype(device, args.dtype)
+    kv = DTYPES[args.kv_cache_dtype] if args.kv_cache_dtype else pick_kv_dtype(device, dtype)
     tokenizer = load_tokenizer(stored)
     model = load_model(stored, device, dtype).model
     context = min(args.context, model.config.max_position_embeddings)
     result: dict = {"model": stored.name, "dtype": str(dtype).removeprefix("torch."),
-                    "bytes": len(text.encode())}
+                    "kv_cache_dtype": str(kv).removeprefix("torch."), "bytes": len(text.encode())}
     if ref is None:
-        result["bits_per_byte"] = bits_per_byte(model, tokenizer, text, context)
+        result["bits_per_byte"] = bits_per_byte(model, tokenizer, text, context, kv)
         line = f"{stored.name}: {result['bits_per_byte']:.4f} bits per byte"
     else:
         if load_tokenizer(ref).encode(text, add_special_tokens=False) != tokenizer.encode(
@@ -130,12 +137,13 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"{ref.name} does not share {stored.name}'s tokenizer")
         result["reference"] = ref.name
         result |= compare(model, load_model(ref, device, dtype).model, tokenizer, text,
-                          context)
+                          context, kv)
         line = (f"{stored.name}: {result['bits_per_byte']:.4f} bits per byte "
                 f"({ref.name}: {result['reference_bits_per_byte']:.4f}); KL divergence from "
                 f"{ref.name}: mean {result['kld_mean']:.5f}, p99 {result['kld_p99']:.5f} nats; "
                 f"top-1 agreement {result['top1_agreement']:.2%} over {result['tokens']} tokens")
-    print(f"{line} ({result['bytes']} bytes, {result['dtype']} compute)")
+    print(f"{line} ({result['bytes']} bytes, {result['dtype']} compute, "
+          f"{result['kv_cache_dtype']} KV cache)")
     if args.json:
         print(json.dumps(result))
     return 0

@@ -46,9 +46,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--kv-cache-dtype", default=None, choices=("bf16", "fp32"),
-                   help="storage of the KV pool (default: the compute dtype). bf16 under fp32 "
-                        "compute holds twice the tokens per MB, same bits per byte measured, "
-                        "but it flips near-tie answers (smollm2-135m's Paris)")
+                   help="storage of the KV pool (default: bf16 where the CPU has no native "
+                        "bf16, else the compute dtype); fp32 under fp32 compute holds half the "
+                        "tokens per MB, for decimals beyond bf16's (the greedy answers measured "
+                        "were the same)")
     p.add_argument("--max-itl-stretch", type=float, default=1.5,
                    help="a step that decodes may take at most this multiple of a decode-only "
                         "step because of chunks of long prompts (over 256 tokens) (default "

@@ -66,7 +66,8 @@ def test_greedy_fidelity_counts_whole_answers_and_tokens_before_the_first_diverg
     fidelity = load_script("greedy_fidelity")
     assert fidelity.agreement([[1, 2, 3], [1, 2, 4], [5]], [[1, 2, 3], [1, 9, 4], [6]]) == (1, 4)
     monkeypatch.setenv("LOCALSERVE_HOME", str(tiny_home))
-    line = fidelity.main(["tiny:bf16", "--dtype", "fp32", "--tokens", "4"])
+    line = fidelity.main(["tiny:bf16", "--dtype", "fp32", "--kv-cache-dtype", "fp32", "--tokens",
+                          "4"])
     head, _, counts = line.partition(": ")
     assert head == "tiny:bf16 --dtype fp32 --kv-cache-dtype fp32"
     whole, before = re.fullmatch(r"(\d+)/16 answers whole, (\d+)/64 tokens before the first "

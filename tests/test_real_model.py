@@ -76,7 +76,8 @@ def test_engine_matches_transformers_on_bf16(pulled):
     prompts = [chat_prompt_ids(tokenizer, [{"role": "user", "content": q}]) for q in
                ("What is the capital of France?", "Name three colors.", "Write a haiku.")]
     ours = load_model(stored, cpu, torch.float32).model
-    engine = Engine(ours, EngineConfig(num_blocks=64), cpu, torch.float32)
+    engine = Engine(ours, EngineConfig(num_blocks=64, kv_cache_dtype=torch.float32), cpu,
+                    torch.float32)
     seqs = [Sequence(p, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True,
                                        logprobs=True)) for p in prompts]
     for s in seqs:

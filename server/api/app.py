@@ -122,7 +122,8 @@ def kv_summary(stats: dict, config) -> str:
     idle = (f"after {config.idle_release_seconds:g} s idle it keeps "
             f"{config.idle_cache_bytes >> 20} MB" if config.idle_release_seconds else
             "no idle release")
-    return (f"KV cache: up to {total * block_tokens} tokens ({mb} MB), resident only as used; "
+    return (f"KV cache: up to {total * block_tokens} tokens ({mb} MB, {stats['kv_dtype']}), "
+            f"resident only as used; "
             f"the prefix cache keeps up to {config.prefix_cache_bytes >> 20} MB beyond running "
             f"requests; {idle}")
 

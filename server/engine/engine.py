@@ -18,6 +18,7 @@ from server.engine.pacing import MIN_PREFILL_CHUNK, PrefillPacer
 from server.engine.recache import ReplyRecache
 from server.engine.scheduler import Scheduler, SchedulerOutput
 from server.engine.sequence import Sequence, SequenceStatus
+from server.models.device import pick_kv_dtype
 
 
 class ConfigError(ValueError):
@@ -41,8 +42,8 @@ class EngineConfig:
     block_size: int = 16
     num_blocks: int | None = None  # default: from kv_cache_bytes
     kv_cache_bytes: int | None = None  # KV pool budget; default: default_kv_cache_bytes()
-    # Storage dtype of the KV pool (None: the compute dtype). bf16 under fp32 compute halves
-    # the pool's memory and the bytes attention gathers; values are rounded to bf16.
+    # Storage dtype of the KV pool (None: device.pick_kv_dtype, bf16 on CPU). bf16 under fp32
+    # compute halves the pool's memory and the bytes attention reads; values are rounded to bf16.
     kv_cache_dtype: torch.dtype | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
@@ -102,8 +103,8 @@ class Engine:
     def __init__(self, model, config: EngineConfig, device, dtype) -> None:
         model_len = model.config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or model_len, model_len)
-        self.block_bytes = kv_bytes_per_block(model.config, config.block_size,
-                                              config.kv_cache_dtype or dtype)
+        self.kv_dtype = config.kv_cache_dtype or pick_kv_dtype(device, dtype)
+        self.block_bytes = kv_bytes_per_block(model.config, config.block_size, self.kv_dtype)
         # By need (every sequence at the full context), within the memory budget.
         need = config.max_num_seqs * -(-self.max_model_len // config.block_size)
         budget = config.kv_cache_bytes or default_kv_cache_bytes(device)
@@ -118,7 +119,7 @@ class Engine:
                                    config.max_num_shared_seqs, config.long_prompt_tokens,
                                    self.pacer)
         self.runner = ModelRunner(model, num_blocks, config.block_size, device, dtype,
-                                  config.kv_cache_dtype)
+                                  self.kv_dtype)
         self.metrics = Metrics()
         self.recache = ReplyRecache(config.block_size, config.recache_replies_after
                                     if config.enable_prefix_caching else None)
@@ -191,6 +192,7 @@ class Engine:
             "kv_blocks_resident": bm.num_resident_blocks,
             "kv_blocks_cached_free": bm.num_cached_free_blocks,
             "kv_block_bytes": self.block_bytes,
+            "kv_dtype": str(self.kv_dtype).removeprefix("torch."),
             "prefix_cache_queries": bm.num_cache_queries,
             "prefix_cache_hits": bm.num_cache_hits,
             "num_preemptions": sched.num_preemptions,

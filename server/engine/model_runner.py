@@ -31,11 +31,11 @@ def kv_bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
 
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, device, dtype,
-                 kv_dtype: torch.dtype | None = None) -> None:
+                 kv_dtype: torch.dtype) -> None:
         self.model = model
         self.block_size = block_size
         self.device, self.dtype = device, dtype
-        self.kv_caches = allocate_kv(model, num_blocks * block_size, device, kv_dtype or dtype)
+        self.kv_caches = allocate_kv(model, num_blocks * block_size, device, kv_dtype)
         self.sampler = Sampler(model.config.vocab_size)
         self.unpacked = UnpackedWeights(model)  # int4 layers' bf16 copies while prompts run
         # Embedding requests whose prompt spans steps: the fp32 sum of their hidden states so

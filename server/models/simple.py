@@ -68,10 +68,12 @@ def _param_dtype(model: nn.Module) -> torch.dtype:
 
 
 @torch.inference_mode()
-def prompt_logits(model: nn.Module, ids: list[int], chunk: int = 512) -> torch.Tensor:
-    """[len(ids), vocab] fp32 logits of every position, prefilled `chunk` tokens at a time."""
+def prompt_logits(model: nn.Module, ids: list[int], chunk: int = 512,
+                  kv_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """[len(ids), vocab] fp32 logits of every position, prefilled `chunk` tokens at a time,
+    the KV cache in kv_dtype (None: the model's dtype)."""
     device, dtype = model.model.norm.weight.device, _param_dtype(model)
-    kv = allocate_kv(model, len(ids), device, dtype)
+    kv = allocate_kv(model, len(ids), device, kv_dtype or dtype)
     out = []
     for start in range(0, len(ids), chunk):
         piece = ids[start:start + chunk]

@@ -132,7 +132,8 @@ def embedder(tmp_path_factory):
     home = tmp_path_factory.mktemp("embed-home")
     pull_into(home, folder)
     proc = own_server(home, tmp_path_factory.mktemp("embed-server"),
-                      ["tiny-embed:bf16", "--dtype", "fp32"])
+                      ["tiny-embed:bf16", "--dtype", "fp32",
+                                                     "--kv-cache-dtype", "fp32"])
     yield proc, hf
     proc.stop()
 

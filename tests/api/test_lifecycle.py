@@ -142,7 +142,7 @@ def test_idle_server_hands_kv_memory_back_and_says_what_the_pool_holds(tiny_home
                                             "--idle-cache-mb", "0"])
     try:
         deadline = time.monotonic() + 30  # logged as the model is ready, maybe just after
-        while "KV cache: up to 8192 tokens (8 MB), resident only as used" not in \
+        while "KV cache: up to 8192 tokens (8 MB, float32), resident only as used" not in \
                 proc.log.read_text():
             assert time.monotonic() < deadline, proc.log.read_text()[-2000:]
             time.sleep(0.05)

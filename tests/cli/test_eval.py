@@ -48,17 +48,21 @@ def eval_json(home, monkeypatch, capsys, *args) -> dict:
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
-def test_reference_numbers_match_a_direct_computation(home, text, monkeypatch, capsys):
+@pytest.mark.parametrize("pool", ["fp32", "bf16"])
+def test_reference_numbers_match_a_direct_computation(home, text, monkeypatch, capsys, pool):
     # Options after and between positionals; one window (~250 tokens; --context is cut to the
-    # model's 512).
+    # model's 512). The model's KV cache in `pool`, the reference's in fp32.
     got = eval_json(home, monkeypatch, capsys, "tiny:int4", "--text", str(text),
-                    "--reference", "tiny:bf16", "--context", "1024")
+                    "--reference", "tiny:bf16", "--context", "1024", "--kv-cache-dtype", pool)
     assert {"bits_per_byte", "kld_mean", "kld_p99", "top1_agreement"} <= set(got)
+    assert got["kv_cache_dtype"] == {"fp32": "float32", "bf16": "bfloat16"}[pool]
     store = ModelStore(home)
     tok = load_tokenizer(store.resolve("tiny:bf16"))
     ids = tok.encode(TEXT, add_special_tokens=False)
+    pools = {"int4": {"fp32": torch.float32, "bf16": torch.bfloat16}[pool], "bf16": None}
     logp = {tag: prompt_logits(load_model(store.resolve(f"tiny:{tag}"), torch.device("cpu"),
-                                          torch.float32).model, ids)[:-1].log_softmax(-1)
+                                          torch.float32).model, ids, kv_dtype=pools[tag]
+                               )[:-1].log_softmax(-1)
             for tag in ("int4", "bf16")}
     kld = (logp["bf16"].exp() * (logp["bf16"] - logp["int4"])).sum(-1).double()
     assert got["tokens"] == len(ids) - 1
@@ -67,13 +71,15 @@ def test_reference_numbers_match_a_direct_computation(home, text, monkeypatch, c
     assert got["kld_mean"] > 0  # int4 is not the bf16 model
     same = float((logp["bf16"].argmax(-1) == logp["int4"].argmax(-1)).double().mean())
     assert got["top1_agreement"] == pytest.approx(same)
-    alone = eval_json(home, monkeypatch, capsys, "tiny:int4", "--text", str(text))
+    alone = eval_json(home, monkeypatch, capsys, "tiny:int4", "--text", str(text),
+                      "--kv-cache-dtype", pool)
     assert got["bits_per_byte"] == pytest.approx(alone["bits_per_byte"], rel=1e-5)
 
 
 def test_a_model_against_itself_agrees_exactly(home, text, monkeypatch, capsys):
     got = eval_json(home, monkeypatch, capsys, "--reference", "tiny:int4", "tiny:int4",
-                    "--text", str(text), "--context", "64")  # several windows
+                    "--text", str(text), "--context", "64",  # several windows
+                    "--kv-cache-dtype", "fp32")  # as the reference keeps it under fp32
     assert got["kld_mean"] == 0.0 and got["kld_p99"] == 0.0 and got["top1_agreement"] == 1.0
     assert got["bits_per_byte"] == got["reference_bits_per_byte"]
 

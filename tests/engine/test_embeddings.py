@@ -39,8 +39,10 @@ def reference(hf, ids: list[int], mode: str) -> torch.Tensor:
 
 
 def make_engine(model, **config) -> AsyncEngine:
-    return AsyncEngine(Engine(model, EngineConfig(num_blocks=64, **config), CPU,
-                              torch.float32), make_tokenizer(), eos_token_ids=(2,))
+    # an fp32 pool, as the reference computes (on CPUs without native bf16 the default is bf16)
+    config = {"num_blocks": 64, "kv_cache_dtype": torch.float32} | config
+    return AsyncEngine(Engine(model, EngineConfig(**config), CPU, torch.float32),
+                       make_tokenizer(), eos_token_ids=(2,))
 
 
 @pytest.mark.parametrize("mode", ["mean", "last"])

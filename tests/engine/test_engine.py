@@ -32,7 +32,10 @@ def greedy(max_tokens=10, **kw):
 
 
 def run(model, seqs, **config):
-    engine = Engine(model, EngineConfig(**({"num_blocks": 128} | config)), CPU, torch.float32)
+    """In fp32, pool too: the tests compare with references computed in fp32 (the default pool
+    is bf16 on CPUs without native bf16)."""
+    config = {"num_blocks": 128, "kv_cache_dtype": torch.float32} | config
+    engine = Engine(model, EngineConfig(**config), CPU, torch.float32)
     for s in seqs:
         engine.add(s)
     steps = 0
@@ -61,26 +64,32 @@ def test_greedy_equals_transformers(models):
         assert s.output_token_ids == ref
 
 
-def test_chunked_prefill_gives_the_same_tokens(llama):
+POOLS = [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("pool", POOLS)
+def test_chunked_prefill_gives_the_same_tokens(llama, pool):
     p = prompt(70, 1)
     whole = Sequence(p, greedy())
-    run(llama, [whole], max_num_batched_tokens=512)
+    run(llama, [whole], max_num_batched_tokens=512, kv_cache_dtype=pool)
     chunked = Sequence(p, greedy())
-    engine = run(llama, [chunked], max_num_batched_tokens=16)
+    engine = run(llama, [chunked], max_num_batched_tokens=16, kv_cache_dtype=pool)
     assert chunked.output_token_ids == whole.output_token_ids
     assert engine.metrics.num_steps >= 70 // 16 + 10
 
 
+@pytest.mark.parametrize("pool", POOLS)
 @pytest.mark.parametrize("kind, second", [
     ("full blocks", lambda p: p[:32] + prompt(9, 99)),  # shares two full blocks of 16
     ("partial block", lambda p: p[:40] + prompt(5, 98)),  # shares 2 blocks + half of a third
     ("whole prompt", lambda p: list(p)),  # everything but the last token hits
 ])
-def test_prefix_hit_gives_the_same_tokens(llama, kind, second):
+def test_prefix_hit_gives_the_same_tokens(llama, kind, second, pool):
     p = prompt(48, 2)
     q = second(p)
-    cold = solo(llama, q)
-    engine = Engine(llama, EngineConfig(num_blocks=64), CPU, torch.float32)
+    cold = Sequence(q, greedy())
+    run(llama, [cold], kv_cache_dtype=pool)
+    engine = Engine(llama, EngineConfig(num_blocks=64, kv_cache_dtype=pool), CPU, torch.float32)
     first = Sequence(p, greedy())
     engine.add(first)
     while engine.has_unfinished:
@@ -91,7 +100,7 @@ def test_prefix_hit_gives_the_same_tokens(llama, kind, second):
         engine.step()
     expected_hit = {"full blocks": 32, "partial block": 32, "whole prompt": 32}[kind]
     assert hit.num_cached_tokens == expected_hit
-    assert hit.output_token_ids == cold
+    assert hit.output_token_ids == cold.output_token_ids
 
 
 def test_preempted_and_resumed_equals_solo(llama):
@@ -116,7 +125,8 @@ def test_batched_with_fifteen_others_equals_alone(llama):
 
 
 def test_too_big_is_refused_and_the_rest_complete(llama):
-    engine = Engine(llama, EngineConfig(num_blocks=4, block_size=16), CPU, torch.float32)
+    engine = Engine(llama, EngineConfig(num_blocks=4, block_size=16, kv_cache_dtype=torch.float32),
+                    CPU, torch.float32)
     small = [Sequence(prompt(10, i), greedy(8)) for i in range(3)]
     engine.add(small[0])
     with pytest.raises(RequestTooLargeError):
@@ -150,7 +160,8 @@ def test_logprobs_recorded(llama):
 
 
 def test_stats_and_pool_sizing(llama):
-    engine = Engine(llama, EngineConfig(kv_cache_bytes=1 << 20), CPU, torch.float32)
+    engine = Engine(llama, EngineConfig(kv_cache_bytes=1 << 20, kv_cache_dtype=torch.float32),
+                    CPU, torch.float32)
     # Tiny llama: 2 layers x 16 tokens x 2 kv heads x 32 dims x 4 bytes x (k, v) = 16 KiB/block.
     assert len(engine.block_manager.blocks) == (1 << 20) // (2 * 2 * 16 * 2 * 32 * 4) == 64
     s = Sequence(prompt(40, 1), greedy(3))
@@ -183,7 +194,8 @@ def test_paced_engine_keeps_decoding_while_a_long_prompt_arrives(llama):
     request still gets the tokens it gets alone. (Stretch 1.0: no extra time for prompts, so
     the cap is its floor, MIN_PREFILL_CHUNK, whatever the timings.)"""
     engine = Engine(llama, EngineConfig(num_blocks=128, max_num_batched_tokens=256,
-                                        max_itl_stretch=1.0), CPU, torch.float32)
+                                        max_itl_stretch=1.0, kv_cache_dtype=torch.float32),
+                    CPU, torch.float32)
     streams = [Sequence(prompt(10, i), greedy(60)) for i in range(4)]
     for s in streams:
         engine.add(s)
@@ -211,8 +223,8 @@ def test_idle_engine_computes_a_finished_reply_as_prompt_and_yields_to_arrivals(
     """recache.py: once idle, the engine computes the last reply as prompt, 32 tokens a step,
     for the next turn; an arrival drops it at once (what it computed stays cached), and it
     never shows in the counters."""
-    engine = Engine(llama, EngineConfig(num_blocks=128, recache_replies_after=0.0), CPU,
-                    torch.float32)
+    engine = Engine(llama, EngineConfig(num_blocks=128, recache_replies_after=0.0,
+                                        kv_cache_dtype=torch.float32), CPU, torch.float32)
     first = Sequence(prompt(20, 1), greedy(60))
     engine.add(first)
     while not first.status.is_finished:
@@ -238,7 +250,8 @@ def test_idle_engine_computes_a_finished_reply_as_prompt_and_yields_to_arrivals(
 
 def test_bf16_kv_pool_holds_twice_the_blocks_and_gives_the_same_tokens(llama):
     budget = 1 << 20
-    fp32 = Engine(llama, EngineConfig(kv_cache_bytes=budget), CPU, torch.float32)
+    fp32 = Engine(llama, EngineConfig(kv_cache_bytes=budget, kv_cache_dtype=torch.float32), CPU,
+                  torch.float32)
     bf16 = Engine(llama, EngineConfig(kv_cache_bytes=budget, kv_cache_dtype=torch.bfloat16), CPU,
                   torch.float32)
     assert bf16.runner.kv_caches[0][0].dtype == torch.bfloat16
@@ -247,6 +260,23 @@ def test_bf16_kv_pool_holds_twice_the_blocks_and_gives_the_same_tokens(llama):
     run(llama, seqs, kv_cache_dtype=torch.bfloat16)
     assert [s.output_token_ids for s in seqs] == [solo(llama, prompt(20 + i, i), 12)
                                                   for i in range(3)]
+
+
+@pytest.mark.parametrize("native_bf16", [False, True])
+def test_the_default_pool_is_bf16_where_compute_is_fp32_without_native_bf16(
+        llama, monkeypatch, native_bf16):
+    from server.models import device
+
+    monkeypatch.setattr(device, "cpu_has_native_bf16", lambda: native_bf16)
+    pool = torch.float32 if native_bf16 else torch.bfloat16  # --dtype fp32 on AVX-512 BF16: fp32
+    engine = Engine(llama, EngineConfig(kv_cache_bytes=1 << 20), CPU, torch.float32)
+    assert engine.kv_dtype == engine.runner.kv_caches[0][0].dtype == pool
+    assert len(engine.block_manager.blocks) == (1 << 20) // (2 * 2 * 16 * 2 * 32 * pool.itemsize)
+    asked = Engine(llama, EngineConfig(num_blocks=8, kv_cache_dtype=torch.float32), CPU,
+                   torch.float32)
+    assert asked.runner.kv_caches[0][0].dtype == torch.float32
+    assert device.pick_kv_dtype(CPU, torch.bfloat16) == torch.bfloat16
+    assert device.pick_kv_dtype(torch.device("cuda"), torch.float32) == torch.float32
 
 
 @pytest.fixture(scope="module", params=[4, 8])
