@@ -123,7 +123,7 @@ def kv_summary(stats: dict, config) -> str:
             f"{config.idle_cache_bytes >> 20} MB" if config.idle_release_seconds else
             "no idle release")
     return (f"KV cache: up to {total * block_tokens} tokens ({mb} MB, {stats['kv_dtype']}), "
-            f"resident only as used; "
+            "resident only as used; "
             f"the prefix cache keeps up to {config.prefix_cache_bytes >> 20} MB beyond running "
             f"requests; {idle}")
 
