@@ -1,8 +1,8 @@
 """Our CPU kernels for int4 and int8 layers: amx_gemm.c on CPUs with AMX (tile products for the
 sums, avx512_gemm.c's code around them), avx512_gemm.c on AVX-512 BF16 CPUs (vdpbf16ps),
 avx2_gemm.c on AVX2 + FMA ones (vpmaddwd, activations as int16 per group; where the CPU has
-AVX-512 VNNI but not BF16, its vpdpwssd path, the same bits faster); the same functions and
-layouts.
+AVX-512 VNNI but not BF16, its vpdpwssd path, and where it has AVX-VNNI without AVX-512, VEX
+vpdpwssd on the AVX2 path: the same bits faster); the same functions and layouts.
 
 PyTorch's CPU int4 and int8 kernels stream one row's weights at about half the memory bandwidth
 and slow down almost linearly with more rows (an int8 LM head of 49,152 x 576: 1.9 ms at one
@@ -209,11 +209,12 @@ def checked():
 
 def source_in_use() -> str | None:
     """The file of the library checked() gives (this CPU's kind or the next that built), and
-    its AVX-512 VNNI path where that is built in."""
+    avx2_gemm.c's VNNI path where one is built in."""
     lib = checked()
     name = next((SOURCES[k].name for k, built in _by_kind.items()
                  if lib is not None and built is lib), None)
-    return f"{name} (AVX-512 VNNI)" if name and wide(lib) else name
+    path = vnni_path(lib)
+    return f"{name} ({path})" if name and path else name
 
 
 def wide(lib) -> bool:
@@ -221,6 +222,15 @@ def wide(lib) -> bool:
     path's results, 1.3-2.5x its speed)."""
     fn = getattr(lib, "avx2_gemm_wide", None)
     return fn is not None and fn() == 1
+
+
+def vnni_path(lib) -> str | None:
+    """avx2_gemm.c's VNNI path built into `lib`: "AVX-512 VNNI" (whole blocks), "AVX-VNNI"
+    (VEX vpdpwssd on the AVX2 path's halves), or None (vpmaddwd and vpaddd)."""
+    if wide(lib):
+        return "AVX-512 VNNI"
+    fn = getattr(lib, "avx2_gemm_vex_vnni", None)
+    return "AVX-VNNI" if fn is not None and fn() == 1 else None
 
 
 def of_kind(kind: str):

@@ -222,32 +222,29 @@ def test_a_kind_whose_library_is_refused_hands_over_to_the_next(monkeypatch):
     assert cpu_gemm.checked() is cpu_gemm.of_kind(second) is not None
 
 
-@pytest.mark.skipif("avx2" not in KERNEL_KINDS, reason="needs AVX2, FMA and F16C")
-def test_the_avx2_kernels_build_for_haswell_and_pass_their_check(tmp_path):
-    """avx2_gemm.c compiled for an AVX2-only CPU (-march=haswell: no AVX-512 registers or
-    instructions) passes the same check as the library the server loads, and where that one has
-    the AVX-512 VNNI path, gives its bits: int4 and int8, bf16 and fp32, at every row count
-    around both paths' passes (6 and 12 rows) and the VNNI path's split sums (up to 6 rows)."""
-    import ctypes
+def build_avx2_gemm(tmp_path: Path, *march: str):
+    """avx2_gemm.c compiled for the given -march flags, typed, and its disassembly ("" without
+    objdump)."""
     import shutil
     import subprocess
 
     from server.quant import cpu_gemm
 
     cc = shutil.which("cc") or shutil.which("gcc")
-    out = tmp_path / "avx2_gemm.so"
-    subprocess.run([cc, "-O3", "-march=haswell", "-ffp-contract=off", "-shared", "-fPIC",
-                    "-std=c11", "-fopenmp", "-o", str(out), str(cpu_gemm.SOURCES["avx2"]),
-                    "-lm"], check=True, capture_output=True)
+    out = tmp_path / f"avx2_gemm{len(list(tmp_path.iterdir()))}.so"
+    subprocess.run([cc, "-O3", *march, "-ffp-contract=off", "-shared", "-fPIC", "-std=c11",
+                    "-fopenmp", "-o", str(out), str(cpu_gemm.SOURCES["avx2"]), "-lm"],
+                   check=True, capture_output=True)
     disassembly = subprocess.run(["objdump", "-d", str(out)], capture_output=True, text=True)
-    assert disassembly.returncode != 0 or "zmm" not in disassembly.stdout
-    lib = cpu_gemm.typed(ctypes.CDLL(str(out)))
-    assert lib.avx2_gemm_available() == 1
-    assert cpu_gemm._self_check(lib) is None
-    assert not cpu_gemm.wide(lib)
-    native = cpu_gemm.of_kind("avx2")
-    if not cpu_gemm.wide(native):
-        return
+    return cpu_gemm.typed(ctypes.CDLL(str(out))), out, (
+        disassembly.stdout if disassembly.returncode == 0 else "")
+
+
+def assert_same_bits(lib, other) -> None:
+    """int4 and int8, bf16 and fp32 in and out, at every row count around the AVX2 path's
+    passes (6 rows), the AVX-512 VNNI path's (12) and its split sums (up to 6)."""
+    from server.quant import cpu_gemm
+
     torch.manual_seed(5)
     q, scale, zero = quantize_int4(torch.randn(96, 192) * 0.05, 64)
     layout = cpu_gemm.pack_int4(q, scale, zero, 64)
@@ -256,7 +253,7 @@ def test_the_avx2_kernels_build_for_haswell_and_pass_their_check(tmp_path):
     for m in (1, 2, 5, 6, 7, 12, 13, 26):
         for dtype in (torch.float32, torch.bfloat16):
             assert torch.equal(cpu_gemm.gemm(x[:m].to(dtype), layout, 64, lib),
-                               cpu_gemm.gemm(x[:m].to(dtype), layout, 64, native)), (m, dtype)
+                               cpu_gemm.gemm(x[:m].to(dtype), layout, 64, other)), (m, dtype)
     for k in (200, 202):  # x's int16 groups of 8 inputs (4 pairs), and of 2 (one pair)
         q8 = cpu_gemm.pack_int8(torch.randint(-127, 128, (64, k), dtype=torch.int8))
         x8 = torch.randn(26, k)
@@ -264,7 +261,49 @@ def test_the_avx2_kernels_build_for_haswell_and_pass_their_check(tmp_path):
             for dtype, out in ((torch.float32, torch.float32), (torch.bfloat16, torch.float32),
                                (torch.bfloat16, torch.bfloat16)):
                 assert torch.equal(cpu_gemm.gemm_int8(x8[:m].to(dtype), q8, s8, lib, out),
-                                   cpu_gemm.gemm_int8(x8[:m].to(dtype), q8, s8, native, out))
+                                   cpu_gemm.gemm_int8(x8[:m].to(dtype), q8, s8, other, out))
+
+
+@pytest.mark.skipif("avx2" not in KERNEL_KINDS, reason="needs AVX2, FMA and F16C")
+def test_the_avx2_kernels_build_for_haswell_and_pass_their_check(tmp_path):
+    """avx2_gemm.c compiled for an AVX2-only CPU (-march=haswell: no AVX-512 registers or
+    instructions) passes the same check as the library the server loads, and where that one has
+    the AVX-512 VNNI path, gives its bits."""
+    from server.quant import cpu_gemm
+
+    lib, _, disassembly = build_avx2_gemm(tmp_path, "-march=haswell")
+    assert "zmm" not in disassembly and "vpdpwssd" not in disassembly
+    assert lib.avx2_gemm_available() == 1
+    assert cpu_gemm._self_check(lib) is None
+    assert cpu_gemm.vnni_path(lib) is None
+    native = cpu_gemm.of_kind("avx2")
+    if cpu_gemm.wide(native):
+        assert_same_bits(lib, native)
+
+
+@pytest.mark.skipif("avx2" not in KERNEL_KINDS, reason="needs AVX2, FMA and F16C")
+def test_the_avx_vnni_path_gives_the_haswell_bits(tmp_path):
+    """Built for an AVX2 CPU with AVX-VNNI (Alder Lake on, Xeon 6 E-cores), the AVX2 path's
+    sums come from VEX vpdpwssd and equal the Haswell build's bit for bit, where this CPU runs
+    the instruction (tried in a child process: a CPU without it stops there with SIGILL)."""
+    import subprocess
+    import sys
+
+    from server.quant import cpu_gemm
+
+    haswell, _, _ = build_avx2_gemm(tmp_path, "-march=haswell")
+    vex, path, disassembly = build_avx2_gemm(tmp_path, "-march=haswell", "-mavxvnni")
+    assert cpu_gemm.vnni_path(vex) == "AVX-VNNI"
+    assert "zmm" not in disassembly
+    assert not disassembly or "{vex} vpdpwssd" in disassembly
+    probe = subprocess.run([sys.executable, "-c", (
+        "import ctypes, sys; from server.quant import cpu_gemm; "
+        f"sys.exit(cpu_gemm._self_check(cpu_gemm.typed(ctypes.CDLL({str(path)!r}))) is not None)")],
+        capture_output=True, cwd=Path(__file__).parents[2])
+    if probe.returncode < 0:
+        pytest.skip(f"this CPU does not run AVX-VNNI (signal {-probe.returncode})")
+    assert probe.returncode == 0, probe.stderr.decode()[-2000:]
+    assert_same_bits(vex, haswell)
 
 
 @pytest.fixture(params=KERNEL_KINDS)
@@ -411,7 +450,8 @@ def test_the_kernels_a_model_runs_are_named(monkeypatch):
     prepare_quantized(built)
     if cpu_gemm.checked() is not None:  # this CPU's kind, or the next one down that built
         said = cpu_kernels(built)
-        vnni = " (AVX-512 VNNI)" if cpu_gemm.wide(cpu_gemm.checked()) else ""
+        path = cpu_gemm.vnni_path(cpu_gemm.checked())
+        vnni = f" ({path})" if path else ""
         assert said in {f"{p.name}{vnni} for all 2 int4/int8 layers"
                         for p in cpu_gemm.SOURCES.values()}
         assert cpu_gemm.checked() is not cpu_gemm.of_kind(cpu_gemm.KIND) or \
