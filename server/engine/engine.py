@@ -42,8 +42,9 @@ class EngineConfig:
     block_size: int = 16
     num_blocks: int | None = None  # default: from kv_cache_bytes
     kv_cache_bytes: int | None = None  # KV pool budget; default: default_kv_cache_bytes()
-    # Storage dtype of the KV pool (None: device.pick_kv_dtype, bf16 on CPU). bf16 under fp32
-    # compute halves the pool's memory and the bytes attention reads; values are rounded to bf16.
+    # Storage dtype of the KV pool (None: device.pick_kv_dtype: bf16 on CPUs without native bf16,
+    # else the compute dtype). bf16 under fp32 compute halves the pool's memory and the bytes
+    # attention reads; values are rounded to bf16 once, when written.
     kv_cache_dtype: torch.dtype | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
