@@ -86,38 +86,64 @@ static inline __m256i madd_acc(__m256i acc, __m256i w, __m256i x) {
 }
 #endif
 
+/* Input pair p's weights for a half block: 8 outputs' pairs each in w0 and w1 (int16 lanes). */
+static inline __attribute__((always_inline)) void half_pair(const uint8_t *w, int64_t p,
+                                                           const int int8, __m256i low,
+                                                           __m256i *w0, __m256i *w1) {
+    if (int8) {
+        *w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + p * 64)));
+        *w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + p * 64 + 16)));
+    } else {
+        __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(w + p * 32)));
+        *w0 = _mm256_and_si256(v, low);
+        *w1 = _mm256_srli_epi16(v, 4);
+    }
+}
+
 /* The int32 sums of rows [0, r) over `pairs` pairs of inputs from x0 (row stride k) against
  * two vectors of 8 outputs' weight pairs each: int4 (nibbles, 32 bytes a pair, the half's 16
  * at w) or int8 (64 bytes a pair, the half's 32 at w). Named sums, since gcc keeps arrays of
- * them in memory; r is a constant in every caller. */
+ * them in memory; r is a constant in every caller. With AVX-VNNI, up to 3 rows, odd pairs go
+ * to a second set of sums (a3-a5, b3-b5), added at the end: each vpdpwssd waits for the last
+ * on its sum (vpmaddwd + vpaddd wait only for the add), which left few rows latency-bound;
+ * int32 sums in any order are the same. */
 static inline void pair_sums(const int16_t *x0, int64_t k, int64_t pairs, const uint8_t *w,
                              const int int8, const int r, __m256i *sa, __m256i *sb) {
     const __m256i low = _mm256_set1_epi16(0xF);
     __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0;
     __m256i b0 = a0, b1 = a0, b2 = a0, b3 = a0, b4 = a0, b5 = a0;
-    for (int64_t p = 0; p < pairs; p++) {
-        __m256i w0, w1;
-        if (int8) {
-            w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + p * 64)));
-            w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + p * 64 + 16)));
-        } else {
-            __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(w + p * 32)));
-            w0 = _mm256_and_si256(v, low);
-            w1 = _mm256_srli_epi16(v, 4);
-        }
-#define ROW(i)                                                            \
+#ifdef VEX_VNNI
+    const int split = r <= 3;
+#else
+    const int split = 0;
+#endif
+    int64_t p = 0;
+    __m256i w0, w1;
+#define ROW(i, j, P)                                                      \
         if (r > i) {                                                      \
             int32_t pair;                                                 \
-            memcpy(&pair, x0 + i * k + 2 * p, sizeof pair);               \
+            memcpy(&pair, x0 + i * k + 2 * (P), sizeof pair);             \
             const __m256i xp = _mm256_set1_epi32(pair);                   \
-            a##i = madd_acc(a##i, w0, xp);                                \
-            b##i = madd_acc(b##i, w1, xp);                                \
+            a##j = madd_acc(a##j, w0, xp);                                \
+            b##j = madd_acc(b##j, w1, xp);                                \
         }
-        ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5)
-#undef ROW
+    if (split)
+        for (; p + 1 < pairs; p += 2) {
+            half_pair(w, p, int8, low, &w0, &w1);
+            ROW(0, 0, p) ROW(1, 1, p) ROW(2, 2, p)
+            half_pair(w, p + 1, int8, low, &w0, &w1);
+            ROW(0, 3, p + 1) ROW(1, 4, p + 1) ROW(2, 5, p + 1)
+        }
+    for (; p < pairs; p++) {
+        half_pair(w, p, int8, low, &w0, &w1);
+        ROW(0, 0, p) ROW(1, 1, p) ROW(2, 2, p) ROW(3, 3, p) ROW(4, 4, p) ROW(5, 5, p)
     }
+#undef ROW
     const __m256i as[ROWS] = {a0, a1, a2, a3, a4, a5}, bs[ROWS] = {b0, b1, b2, b3, b4, b5};
-    for (int i = 0; i < r; i++) sa[i] = as[i], sb[i] = bs[i];
+    for (int i = 0; i < r; i++) {
+        sa[i] = split ? _mm256_add_epi32(as[i], as[i + 3]) : as[i];
+        sb[i] = split ? _mm256_add_epi32(bs[i], bs[i + 3]) : bs[i];
+    }
 }
 
 /* x bf16 [m, k] as fp32 (malloc'd; NULL if out of memory). */

@@ -242,7 +242,8 @@ def build_avx2_gemm(tmp_path: Path, *march: str):
 
 def assert_same_bits(lib, other) -> None:
     """int4 and int8, bf16 and fp32 in and out, at every row count around the AVX2 path's
-    passes (6 rows), the AVX-512 VNNI path's (12) and its split sums (up to 6)."""
+    passes (6 rows) and its AVX-VNNI split sums (up to 3), the AVX-512 VNNI path's (12) and its
+    split sums (up to 6)."""
     from server.quant import cpu_gemm
 
     torch.manual_seed(5)
@@ -250,14 +251,14 @@ def assert_same_bits(lib, other) -> None:
     layout = cpu_gemm.pack_int4(q, scale, zero, 64)
     s8 = torch.rand(64) / 100
     x = torch.randn(26, 192)
-    for m in (1, 2, 5, 6, 7, 12, 13, 26):
+    for m in (1, 2, 3, 4, 5, 6, 7, 12, 13, 26):
         for dtype in (torch.float32, torch.bfloat16):
             assert torch.equal(cpu_gemm.gemm(x[:m].to(dtype), layout, 64, lib),
                                cpu_gemm.gemm(x[:m].to(dtype), layout, 64, other)), (m, dtype)
     for k in (200, 202):  # x's int16 groups of 8 inputs (4 pairs), and of 2 (one pair)
         q8 = cpu_gemm.pack_int8(torch.randint(-127, 128, (64, k), dtype=torch.int8))
         x8 = torch.randn(26, k)
-        for m in (1, 2, 5, 6, 7, 12, 13, 26):
+        for m in (1, 2, 3, 4, 5, 6, 7, 12, 13, 26):
             for dtype, out in ((torch.float32, torch.float32), (torch.bfloat16, torch.float32),
                                (torch.bfloat16, torch.bfloat16)):
                 assert torch.equal(cpu_gemm.gemm_int8(x8[:m].to(dtype), q8, s8, lib, out),
