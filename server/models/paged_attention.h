@@ -65,10 +65,18 @@ static inline void prefetch_row(const char *p, int64_t bytes) {
 
 static inline vf loadv(const char *p, int bf16) {
     vf f;
-    if (bf16) {
+    if (bf16) {  /* a widening load and a shift: gcc splits __builtin_convertvector in five */
+#if defined(__AVX512F__)
+        __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+        __m512i w = _mm512_slli_epi32(h, 16);
+#elif defined(__AVX2__)
+        __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+        __m256i w = _mm256_slli_epi32(h, 16);
+#else
         u16v h;
         memcpy(&h, p, sizeof h);
         u32v w = __builtin_convertvector(h, u32v) << 16;
+#endif
         memcpy(&f, &w, sizeof f);
     } else {
         memcpy(&f, p, sizeof f);
@@ -114,12 +122,19 @@ static inline void softmax_rows(float *score, const int R, const int64_t *n, int
             for (int l = 0; l < VL; l++) peak = lane[l] > peak ? lane[l] : peak;
         }
         for (; p < len; p++) peak = sc[p] > peak ? sc[p] : peak;
-        for (p = 0; p < len; p += VL) {  /* the last vector part padding, not stored */
-            int64_t count = len - p < VL ? len - p : VL;
-            vf x = {0};
-            memcpy(&x, sc + p, (size_t)count * sizeof(float));
+        for (p = 0; p + VL <= len; p += VL) {  /* whole vectors: a memcpy of a variable length
+                                                 * is a call, which stalls the loop */
+            vf x;
+            memcpy(&x, sc + p, sizeof x);
             x = exp_negv(x - peak);
-            memcpy(sc + p, &x, (size_t)count * sizeof(float));
+            memcpy(sc + p, &x, sizeof x);
+        }
+        if (p < len) {  /* the last vector part padding, not stored */
+            size_t tail = (size_t)(len - p) * sizeof(float);
+            vf x = {0};
+            memcpy(&x, sc + p, tail);
+            x = exp_negv(x - peak);
+            memcpy(sc + p, &x, tail);
         }
         for (p = len; p < nmax; p++) sc[p] = 0.0f;
         /* LANES interleaved sums, VL lanes a vector */
@@ -135,6 +150,31 @@ static inline void softmax_rows(float *score, const int R, const int64_t *n, int
         denom[r] = lane_sum(lanes);
         for (; p < len; p++) denom[r] = denom[r] + sc[p];
     }
+}
+
+/* Rows [0, R) of the weighted sums of values over positions [0, nmax) in order (weights wt
+ * position-major), output vectors [c, c + CB) of each row, divided by the row's denominator:
+ * R x CB independent sums, so that the FMAs' latency overlaps. */
+static inline __attribute__((always_inline)) void weighted_sums(
+        const float *wt, const int R, const int CB, int64_t nmax, const char *vbase,
+        const int64_t *sl, int64_t d, int64_t c, const float *denom, float *o,
+        const int cache_bf16) {
+    size_t ces = cache_bf16 ? 2 : 4;
+    vf acc[R][CB];
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < CB; i++) acc[r][i] = (vf){0};
+    for (int64_t p = 0; p < nmax; p++) {
+        const char *v = vbase + (sl[p] * d + c * VL) * ces;
+        for (int i = 0; i < CB; i++) {
+            vf vv = loadv(v + i * VL * ces, cache_bf16);
+            for (int r = 0; r < R; r++) acc[r][i] = vfma(splat(wt[p * R + r]), vv, acc[r][i]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < CB; i++) {
+            vf v = acc[r][i] / denom[r];
+            memcpy(o + r * d + (c + i) * VL, &v, sizeof v);
+        }
 }
 
 /* R query heads of one decode query (qs: fp32 [R][d], already scaled), sharing one kv head, over
@@ -180,30 +220,26 @@ static inline __attribute__((always_inline)) void decode_heads(
             float sv[VL];
             vf s = sum_lanes(part[r]);
             memcpy(sv, &s, sizeof sv);
-            memcpy(score + r * max_ctx + p0, sv, (size_t)count * sizeof(float));
+            if (count == VL)
+                memcpy(score + r * max_ctx + p0, sv, sizeof sv);
+            else
+                memcpy(score + r * max_ctx + p0, sv, (size_t)count * sizeof(float));
         }
     }
     float denom[R];
     int64_t n[R];
     for (int r = 0; r < R; r++) n[r] = nmax;
     softmax_rows(score, R, n, nmax, max_ctx, denom);
-    /* The weighted sum of values, one vector of every row's output at a time, the weights
+    /* The weighted sums of values, CB vectors of every row's output at a time, the weights
      * position-major (after the scores, in the same buffer) so that one pointer reads them. */
     float *wt = score + R * max_ctx;
     for (int64_t p = 0; p < nmax; p++)
         for (int r = 0; r < R; r++) wt[p * R + r] = score[r * max_ctx + p];
-    for (int64_t c = 0; c < chunks; c++) {
-        vf acc[R];
-        for (int r = 0; r < R; r++) acc[r] = (vf){0};
-        for (int64_t p = 0; p < nmax; p++) {
-            vf vv = loadv(vbase + (sl[p] * d + c * VL) * ces, cache_bf16);
-            for (int r = 0; r < R; r++) acc[r] = vfma(splat(wt[p * R + r]), vv, acc[r]);
-        }
-        for (int r = 0; r < R; r++) {
-            vf v = acc[r] / denom[r];
-            memcpy(o + r * d + c * VL, &v, sizeof v);
-        }
-    }
+    const int CB = R <= 3 ? 4 : 2;  /* at most 12 sums in registers (AVX2 has 16) */
+    int64_t c = 0;
+    for (; c + CB <= chunks; c += CB)
+        weighted_sums(wt, R, CB, nmax, vbase, sl, d, c, denom, o, cache_bf16);
+    for (; c < chunks; c++) weighted_sums(wt, R, 1, nmax, vbase, sl, d, c, denom, o, cache_bf16);
 }
 
 /* One query row (d values, `bf16`) into fp32, scaled. */

@@ -52,25 +52,28 @@ def decode_group(lens, tables):
     return meta.groups[0]
 
 
+@pytest.mark.parametrize("head_dim", [64, 48, 80])  # every split of a row into vectors
+@pytest.mark.parametrize("cache_dtype", DTYPES, ids=["fp32-cache", "bf16-cache"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads", [(9, 3), (4, 4), (8, 1), (32, 2)])
-def test_paged_decode_matches_pytorch_and_is_batch_invariant(dtype, heads, monkeypatch):
-    hq, hkv = heads
+def test_paged_decode_matches_pytorch_and_is_batch_invariant(dtype, cache_dtype, heads,
+                                                             head_dim, monkeypatch):
+    hq, hkv, d = *heads, head_dim
     lens = [1, 63, 64, 65, 300, 17]
-    q = torch.randn(len(lens), hq, 64, generator=torch.Generator().manual_seed(1)).to(dtype)
-    k, v = paged_caches(hkv, 64, dtype)
+    q = torch.randn(len(lens), hq, d, generator=torch.Generator().manual_seed(1)).to(dtype)
+    k, v = paged_caches(hkv, d, cache_dtype)
     tables = block_tables(lens)
     g = decode_group(lens, tables)
-    got = layer_ops.paged_decode(q, k, v, g.context_slots, g.lens, 0.125)
-    assert got is not None and got.dtype == dtype and got.shape == (len(lens), hq * 64)
+    got = layer_ops.paged_decode(q, k, v, g.context_slots, g.lens, d**-0.5)
+    assert got is not None and got.dtype == dtype and got.shape == (len(lens), hq * d)
     for i, n in enumerate(lens):
         one = decode_group([n], tables[i:i + 1])
         alone = layer_ops.paged_decode(q[i:i + 1].contiguous(), k, v, one.context_slots,
-                                       one.lens, 0.125)
+                                       one.lens, d**-0.5)
         assert torch.equal(alone[0], got[i])  # the batch and its padding change nothing
     monkeypatch.setattr(layer_ops, "_state", [None])
     g.fp32 = True
-    want = attention._decodes(q, k, v, g, 0.125, hkv, hq // hkv)
+    want = attention._decodes(q, k, v, g, d**-0.5, hkv, hq // hkv)
     torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
