@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 import time
@@ -311,24 +312,37 @@ def test_usage_splits_batch_from_interactive_with_the_discount(client, server):
 
 @pytest.fixture
 def window_server(tiny_home, tmp_path):
-    """Batches expire after 5 seconds: time for 4 short lines on a slow CI machine (2 s once
-    left none done in a fresh clone), none for the 3,000-token ones queued behind them."""
-    proc = own_server(tiny_home, tmp_path, [MODEL, "--batch-window", "5",
+    """Batches get a one-hour window; the expiry test moves a batch's deadline itself."""
+    proc = own_server(tiny_home, tmp_path, [MODEL, "--batch-window", "3600",
                                             "--batch-max-running", "4"])
     yield proc
     proc.stop()
 
 
 def test_expiry_returns_finished_lines_and_expires_the_rest(window_server):
+    """The 4 short lines run first (4 at a time, in order). Once they are done, the batch's
+    deadline passes: set in the past in the server's own database, as time would, so no clock
+    decides the test. The 3,000-token lines, running or queued, are far from done: they expire."""
     client = openai.OpenAI(base_url=f"{window_server.url}/v1", api_key="x", max_retries=0)
     lines = [chat_line(i, max_tokens=3 if i < 4 else 3000) for i in range(12)]
-    b = wait(client, submit(client, lines).id, timeout=60)
+    b = submit(client, lines)
+    assert b.expires_at - b.created_at == 3600  # --batch-window
+    deadline = time.monotonic() + 60
+    while (b := client.batches.retrieve(b.id)).request_counts.completed < 4:
+        assert b.status in ("validating", "in_progress"), b
+        assert time.monotonic() < deadline, b
+        time.sleep(0.05)
+    db = sqlite3.connect(window_server.home / "localserve.db", timeout=30)
+    with db:  # one committed transaction, as the server's own writes are
+        db.execute("update batches set expires_at = ? where id = ?", (int(time.time()) - 1, b.id))
+    db.close()
+    b = wait(client, b.id, timeout=60)
     assert b.status == "expired" and b.expired_at
     done, failed = read_lines(client, b.output_file_id), read_lines(client, b.error_file_id)
-    assert {x["custom_id"] for x in done} >= {"req-0", "req-1", "req-2", "req-3"}
+    assert {x["custom_id"] for x in done} == {"req-0", "req-1", "req-2", "req-3"}
     assert all(x["error"]["code"] == "batch_expired" for x in failed)
-    assert len(done) + len(failed) == 12 == b.request_counts.total
-    assert b.request_counts.completed == len(done)
+    assert len(failed) == 8 and b.request_counts.total == 12
+    assert b.request_counts.completed == 4
 
 
 def test_one_server_per_home(window_server):
