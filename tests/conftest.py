@@ -10,6 +10,15 @@ import pytest
 from tests.helpers import hf_model, pull_into, save_hf_folder
 
 
+@pytest.fixture(scope="session", autouse=True)
+def native_cache(tmp_path_factory):
+    """One folder of compiled kernels for every home of the run (server/quant/native.py): each
+    fresh home compiled avx2_gemm.c and layer_ops.c again, 3-4 s each, ~20 homes a run."""
+    if "LOCALSERVE_NATIVE_CACHE" not in os.environ:
+        os.environ["LOCALSERVE_NATIVE_CACHE"] = str(tmp_path_factory.mktemp("native"))
+    return Path(os.environ["LOCALSERVE_NATIVE_CACHE"])
+
+
 @pytest.fixture(scope="session")
 def real_home() -> Path:
     """Store for the real smollm2-135m: $LOCALSERVE_TEST_HOME or ~/.cache/localserve-tests."""

@@ -1,10 +1,11 @@
 """C helpers compiled on first use with the machine's C compiler, called through ctypes.
 
 No torch headers and no build step at install: each helper (`int4_unpack.c` here,
-server/models/layer_ops.c) is one small file that `cc` compiles in a fraction of a second into
-$LOCALSERVE_HOME/cache/native (keyed by the source, the flags and the CPU, since it is built for
-this CPU). Without a compiler, or if the build fails, `int4_unpack()` and `library()` are None
-and callers keep PyTorch's own operators.
+server/models/layer_ops.c) is one small file that `cc` compiles in a few seconds into
+$LOCALSERVE_HOME/cache/native, or $LOCALSERVE_NATIVE_CACHE where set (keyed by the source, the
+flags and the CPU, since it is built for this CPU: homes can share one folder). Without a
+compiler, or if the build fails, `int4_unpack()` and `library()` are None and callers keep
+PyTorch's own operators.
 LOCALSERVE_NO_NATIVE=1 turns it off.
 """
 
@@ -85,7 +86,8 @@ def _build(source: Path) -> Path:
     for part in (*_sources(source), cc.encode(), " ".join((*FLAGS, OPENMP)).encode(),
                  platform.machine().encode(), _cpu_flags().encode()):
         key.update(part)
-    folder = home_dir() / "cache" / "native"
+    shared = os.environ.get("LOCALSERVE_NATIVE_CACHE")
+    folder = Path(shared) if shared else home_dir() / "cache" / "native"
     target = folder / f"{source.stem}-{key.hexdigest()[:16]}.so"
     if target.is_file():
         return target

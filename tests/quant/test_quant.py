@@ -555,6 +555,25 @@ def test_a_helper_is_rebuilt_when_a_file_its_includes_include_changes(tmp_path, 
     assert len(native._sources(source)) == 3
 
 
+def test_homes_share_the_folder_native_cache_names(tmp_path, monkeypatch):
+    """$LOCALSERVE_NATIVE_CACHE: every home loads the one build there (none in the homes);
+    without it the build goes to the home's cache/native."""
+    from server.quant import native
+
+    (tmp_path / "whole.c").write_text("int answer(void) { return 7; }\n")
+    monkeypatch.setenv("LOCALSERVE_NATIVE_CACHE", str(tmp_path / "shared"))
+    monkeypatch.setenv("LOCALSERVE_HOME", str(tmp_path / "one"))
+    first = native._build(tmp_path / "whole.c")
+    assert first.parent == tmp_path / "shared" and ctypes.CDLL(str(first)).answer() == 7
+    built = first.stat().st_mtime_ns
+    monkeypatch.setenv("LOCALSERVE_HOME", str(tmp_path / "two"))
+    assert native._build(tmp_path / "whole.c") == first and first.stat().st_mtime_ns == built
+    assert not (tmp_path / "one").exists() and not (tmp_path / "two").exists()
+    monkeypatch.delenv("LOCALSERVE_NATIVE_CACHE")
+    own = native._build(tmp_path / "whole.c")
+    assert own.parent == tmp_path / "two" / "cache" / "native" and own.name == first.name
+
+
 def test_the_wheel_ships_every_file_of_the_packages(tmp_path):
     """`pip install .` (the Dockerfile's) compiles the kernels on first use from the installed
     files: prefetch.h missing from the wheel made every kernel's build fail there, and the layers
