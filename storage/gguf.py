@@ -86,17 +86,18 @@ def save_tokenizer(path: Path, out_dir: Path) -> None:
     tokenizer.save_pretrained(str(out_dir))
 
 
-def count_tensors(path: Path) -> int:
+def open_reader(path: Path):
+    """The file's tensors (gguf.GGUFReader): parsing its metadata takes seconds (the vocabulary
+    and merges are ~100,000 strings), so a pull opens it once for the count and the tensors."""
     import gguf
 
-    return len(gguf.GGUFReader(path).tensors)
+    return gguf.GGUFReader(path)
 
 
-def iter_tensors(path: Path, config: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, fp32 tensor) for every tensor in the file."""
+def iter_tensors(reader, config: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, fp32 tensor) for every tensor in the file (open_reader)."""
     import gguf
 
-    reader = gguf.GGUFReader(path)
     permute_qk = config["model_type"] == "llama"
     num_heads = config["num_attention_heads"]
     num_kv_heads = config.get("num_key_value_heads") or num_heads

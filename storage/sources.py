@@ -159,11 +159,11 @@ def _from_gguf(path: Path, workdir: Path, origin: dict[str, Any]) -> Checkpoint:
         tokenizer_dir = workdir / "tokenizer"
         tokenizer_dir.mkdir(exist_ok=True)
         gguf_io.save_tokenizer(path, tokenizer_dir)
-        num = gguf_io.count_tensors(path)
+        reader = gguf_io.open_reader(path)
     except (gguf_io.GGUFError, ValueError, KeyError) as e:
         raise SourceError(f"cannot read GGUF {path.name}: {e}") from e
-    return Checkpoint(hf_config, tokenizer_dir, num, lambda: gguf_io.iter_tensors(path, hf_config),
-                      origin)
+    return Checkpoint(hf_config, tokenizer_dir, len(reader.tensors),
+                      lambda: gguf_io.iter_tensors(reader, hf_config), origin)
 
 
 def _from_hub(repo: str, cache_dir: Path) -> Checkpoint:
