@@ -96,7 +96,9 @@ static inline __attribute__((always_inline)) void half_pair(const uint8_t *w, in
     } else {
         __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(w + p * 32)));
         *w0 = _mm256_and_si256(v, low);
-        *w1 = _mm256_srli_epi16(v, 4);
+        /* 16 x the high nibble: an AND (any vector port), where a shift took one of the two
+         * that vpmaddwd and vpdpwssd need; half_block scales its sums back exactly */
+        *w1 = _mm256_and_si256(v, _mm256_slli_epi16(low, 4));
     }
 }
 
@@ -247,13 +249,18 @@ static inline void half_block(const int16_t *xq, int64_t k, const float *xa,
         const __m256 sa = half8(head + hb * 16), sb = half8(head + 32 + hb * 16);
         const __m256 za = ZERO_OFFSET(_mm256, half8(head + 64 + hb * 16), sa);
         const __m256 zb = ZERO_OFFSET(_mm256, half8(head + 96 + hb * 16), sb);
+        /* ab holds 16 x the sums (half_pair): below 2^31 at groups of 256 (16 x 15 x 32767 x
+         * 256), and in fp32 16 x a sum rounds as the sum does. (16 * sum) * (a * (scale / 16))
+         * is then the same real product as sum * (a * scale) (powers of 2 scale exactly) and
+         * the FMA rounds it once: the same bits as the AVX-512 path's. */
+        const __m256 sb16 = _mm256_mul_ps(sb, _mm256_set1_ps(0.0625f));
         for (int i = 0; i < r; i++) {
             __m256 xs = _mm256_set1_ps(xsum[i * groups + g]);
             __m256 a = _mm256_set1_ps(xa[i * groups + g]);
             _mm256_store_ps(yacc[i], GROUP_STEP(_mm256, _mm256_load_ps(yacc[i]), aa[i], a, sa,
                                                 xs, za));
             _mm256_store_ps(yacc[i] + 8, GROUP_STEP(_mm256, _mm256_load_ps(yacc[i] + 8), ab[i], a,
-                                                    sb, xs, zb));
+                                                    sb16, xs, zb));
         }
     }
     for (int i = 0; i < r; i++) {

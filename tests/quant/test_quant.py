@@ -240,6 +240,30 @@ def build_avx2_gemm(tmp_path: Path, *march: str):
         disassembly.stdout if disassembly.returncode == 0 else "")
 
 
+def largest_sums():
+    """An int4 layer (groups of 256, every nibble 15) and rows whose every input is its group's
+    largest: the int32 sums at their largest (avx2_gemm.c's high-nibble sums are 16x these, just
+    under 2^31). With y = x * sum_k ((15 - 8) * scale + zero) within fp16 rounding."""
+    from server.quant import cpu_gemm
+
+    torch.manual_seed(6)
+    scale, zero = torch.rand(32, 2) / 100, torch.randn(32, 2) / 100
+    layout = cpu_gemm.pack_int4(torch.full((32, 512), 15), scale, zero, 256)
+    x = torch.tensor([1.0, -1.0, 3.0]).repeat_interleave(512).view(3, 512)
+    return layout, x, x[:, :1].double() * 256 * (7 * scale + zero).double().sum(1)
+
+
+def test_int4_sums_at_their_largest_do_not_wrap_around(kernel_kind):
+    from server.quant import cpu_gemm
+
+    layout, x, want = largest_sums()
+    for dtype in (torch.float32, torch.bfloat16):
+        y = cpu_gemm.gemm(x.to(dtype), layout, 256)
+        if y is None:  # this kind takes bf16 only
+            continue
+        assert torch.allclose(y.double(), want, rtol=1e-2, atol=1e-3), (dtype, y, want)
+
+
 def assert_same_bits(lib, other) -> None:
     """int4 and int8, bf16 and fp32 in and out, at every row count around the AVX2 path's
     passes (6 rows) and its AVX-VNNI split sums (up to 3), the AVX-512 VNNI path's (12) and its
@@ -255,6 +279,10 @@ def assert_same_bits(lib, other) -> None:
         for dtype in (torch.float32, torch.bfloat16):
             assert torch.equal(cpu_gemm.gemm(x[:m].to(dtype), layout, 64, lib),
                                cpu_gemm.gemm(x[:m].to(dtype), layout, 64, other)), (m, dtype)
+    layout, x, _ = largest_sums()
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(cpu_gemm.gemm(x.to(dtype), layout, 256, lib),
+                           cpu_gemm.gemm(x.to(dtype), layout, 256, other)), dtype
     for k in (200, 202):  # x's int16 groups of 8 inputs (4 pairs), and of 2 (one pair)
         q8 = cpu_gemm.pack_int8(torch.randint(-127, 128, (64, k), dtype=torch.int8))
         x8 = torch.randn(26, k)
