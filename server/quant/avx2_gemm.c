@@ -86,7 +86,8 @@ static inline __m256i madd_acc(__m256i acc, __m256i w, __m256i x) {
 }
 #endif
 
-/* Input pair p's weights for a half block: 8 outputs' pairs each in w0 and w1 (int16 lanes). */
+/* Input pair p's weights for a half block: 8 outputs' pairs each in w0 and w1 (int16 lanes);
+ * int4: w0 the low nibbles, w1 16 x the high ones. */
 static inline __attribute__((always_inline)) void half_pair(const uint8_t *w, int64_t p,
                                                            const int int8, __m256i low,
                                                            __m256i *w0, __m256i *w1) {
