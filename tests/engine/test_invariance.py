@@ -9,6 +9,12 @@ in the compute dtype this machine picks and in fp32.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -232,3 +238,28 @@ def test_decode_steps_take_the_decode_plan_and_give_the_modules_numbers(weights,
     monkeypatch.setattr(DecodePlan, "takes", lambda *args: False)
     runs.clear()
     assert generate() == planned and not runs
+
+
+@pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="PyTorch without MKL")
+def test_prompt_tiles_give_every_row_the_same_bits_on_mkls_avx2_path():
+    """MKL's fp32 GEMM on its AVX2 code path (what AVX2-only CPUs run; forced here with
+    MKL_ENABLE_INSTRUCTIONS, so that every machine checks it) gave rows 30 and 31 of a 32-row
+    tile other bits, and the test above failed for bf16 weights in fp32; server/__init__.py
+    sets MKL's strict reproducibility. In a fresh process, as the server's: a 150-token
+    prompt's rows through tiled_mm whole and in chunks of 24."""
+    code = textwrap.dedent("""
+        import torch
+        import server
+        from server.quant.rows import PROMPT_TILE, tiled_mm
+        g = torch.Generator().manual_seed(0)
+        x, w = torch.randn(150, 576, generator=g), torch.randn(1536, 576, generator=g).t()
+        whole = tiled_mm(x, w, PROMPT_TILE)
+        parts = torch.cat([tiled_mm(x[i:i + 24], w, PROMPT_TILE) for i in range(0, 150, 24)])
+        print(int((whole != parts).any(dim=1).sum()))
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "MKL_CBWR"}
+    env["MKL_ENABLE_INSTRUCTIONS"] = "AVX2"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parents[2], timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "0"  # rows that differ
