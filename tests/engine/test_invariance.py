@@ -244,9 +244,9 @@ def test_decode_steps_take_the_decode_plan_and_give_the_modules_numbers(weights,
 def test_prompt_tiles_give_every_row_the_same_bits_on_mkls_avx2_path():
     """MKL's fp32 GEMM on its AVX2 code path (what AVX2-only CPUs run; forced here with
     MKL_ENABLE_INSTRUCTIONS, so that every machine checks it) gave rows 30 and 31 of a 32-row
-    tile other bits, and the test above failed for bf16 weights in fp32; server/__init__.py
-    sets MKL's strict reproducibility. In a fresh process, as the server's: a 150-token
-    prompt's rows through tiled_mm whole and in chunks of 24."""
+    tile other bits, and test_seeded_request_is_the_same_however_it_is_computed failed for bf16
+    weights in fp32; server/__init__.py sets MKL's strict reproducibility. In a fresh process,
+    as the server's: a 150-token prompt's rows through tiled_mm whole and in chunks of 24."""
     code = textwrap.dedent("""
         import torch
         import server
