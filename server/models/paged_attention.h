@@ -84,6 +84,25 @@ static inline vf loadv(const char *p, int bf16) {
     return f;
 }
 
+/* The first `count` (1..VL) floats at src into a vector, zeros past them; and v's first `count`
+ * lanes into dst. A whole vector is a fixed-size copy: a memcpy of a variable length is a
+ * library call, which stalled the loops around it. */
+static inline vf load_lanes(const float *src, int64_t count) {
+    vf v = {0};
+    if (count == VL)
+        memcpy(&v, src, sizeof v);
+    else
+        memcpy(&v, src, (size_t)count * sizeof(float));
+    return v;
+}
+
+static inline void store_lanes(float *dst, vf v, int64_t count) {
+    if (count == VL)
+        memcpy(dst, &v, sizeof v);
+    else
+        memcpy(dst, &v, (size_t)count * sizeof(float));
+}
+
 /* reduce2(a, b): the first half of the lanes the pairwise sums of a's lanes, the rest of b's. */
 static inline vf reduce2(vf a, vf b) {
 #if VL == 16
@@ -122,19 +141,9 @@ static inline void softmax_rows(float *score, const int R, const int64_t *n, int
             for (int l = 0; l < VL; l++) peak = lane[l] > peak ? lane[l] : peak;
         }
         for (; p < len; p++) peak = sc[p] > peak ? sc[p] : peak;
-        for (p = 0; p + VL <= len; p += VL) {  /* whole vectors: a memcpy of a variable length
-                                                 * is a call, which stalls the loop */
-            vf x;
-            memcpy(&x, sc + p, sizeof x);
-            x = exp_negv(x - peak);
-            memcpy(sc + p, &x, sizeof x);
-        }
-        if (p < len) {  /* the last vector part padding, not stored */
-            size_t tail = (size_t)(len - p) * sizeof(float);
-            vf x = {0};
-            memcpy(&x, sc + p, tail);
-            x = exp_negv(x - peak);
-            memcpy(sc + p, &x, tail);
+        for (p = 0; p < len; p += VL) {  /* the last vector part padding, not stored */
+            int64_t count = len - p < VL ? len - p : VL;
+            store_lanes(sc + p, exp_negv(load_lanes(sc + p, count) - peak), count);
         }
         for (p = len; p < nmax; p++) sc[p] = 0.0f;
         /* LANES interleaved sums, VL lanes a vector */
@@ -216,15 +225,7 @@ static inline __attribute__((always_inline)) void decode_heads(
             }
             for (int r = 0; r < R; r++) part[r][j] = acc[r];
         }
-        for (int r = 0; r < R; r++) {
-            float sv[VL];
-            vf s = sum_lanes(part[r]);
-            memcpy(sv, &s, sizeof sv);
-            if (count == VL)
-                memcpy(score + r * max_ctx + p0, sv, sizeof sv);
-            else
-                memcpy(score + r * max_ctx + p0, sv, (size_t)count * sizeof(float));
-        }
+        for (int r = 0; r < R; r++) store_lanes(score + r * max_ctx + p0, sum_lanes(part[r]), count);
     }
     float denom[R];
     int64_t n[R];
