@@ -58,7 +58,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="prompt and output lengths vary uniformly by this fraction")
     p.add_argument("--shared-prefix", type=int, default=0,
                    help="words of system prompt shared by every request (prefix caching)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="draws the prompts and lengths (default 0); a second run with the "
+                        "same seed against one server finds its prompts in the prefix cache")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     p.add_argument("--plot", type=Path, default=None, help="write a PNG here (matplotlib)")
     p.add_argument("--label", default=None, help="name of this server in the outputs")
