@@ -13,6 +13,13 @@ reference-counted. A block whose count drops to zero keeps its hash, so a later 
 still reuse it until it is taken for new data (least recently freed first). A sequence's blocks
 are freed tail-first, so the end of a chain is evicted before its beginning.
 
+A prompt that shares only the start of a block with a cached one (a common system prompt or
+chat template ending mid-block) reuses those tokens too, to the token: its first new block
+starts as a copy of the cached block's first keys and values (`copy_slots`, the pool owner's)
+and only the rest of the prompt is computed. Cached blocks of prompt tokens are indexed by the
+block they follow for that. A copied position holds the numbers the prompt would compute
+itself: every kernel gives a prompt row the same numbers whatever shares its step or chunk.
+
 The pool is reserved, not resident: a block's memory becomes resident the first time it is
 written. So a free block is taken in this order: one already resident that caches nothing
 (lowest id first); a cached one, least recently freed, once more than `cache_budget` blocks
@@ -29,7 +36,9 @@ import hashlib
 import heapq
 from array import array
 from collections import OrderedDict
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from itertools import islice
 
 from server.engine.sequence import Sequence
 
@@ -41,6 +50,16 @@ class Block:
     block_hash: bytes | None = None  # set once the block is full and registered
     token_ids: tuple[int, ...] = ()  # the tokens behind block_hash, to verify hits
     is_resident: bool = False  # written since the pool was made or its memory handed back
+    parent: bytes | None = None  # cached and of prompt tokens only: the key of what it follows
+
+
+@dataclass(slots=True)
+class PrefixHit:
+    """What the prefix cache holds of a prompt: whole blocks, then maybe the start of one more."""
+
+    blocks: list[int] = field(default_factory=list)  # cached blocks, reused as they are
+    tokens: int = 0  # prompt tokens found: the blocks' and the partial block's
+    partial: int | None = None  # a cached block whose first tokens continue the prompt
 
 
 def chain_hash(parent: bytes | None, token_ids: list[int] | tuple[int, ...], salt: str,
@@ -54,15 +73,29 @@ def chain_hash(parent: bytes | None, token_ids: list[int] | tuple[int, ...], sal
     return h.digest()
 
 
+def root_key(salt: str) -> bytes:
+    """What a tenant's first blocks follow, in the index of partial hits."""
+    return hashlib.sha256(b"root:" + salt.encode()).digest()
+
+
 def holds_generated(seq: Sequence, block_index: int, block_size: int) -> bool:
     """Whether seq's block `block_index` holds any of its generated tokens."""
     return (block_index + 1) * block_size > seq.num_prompt_tokens
 
 
+# Cached blocks compared per partial lookup at most (the most recently cached first): the
+# blocks after a shared system prompt can number thousands.
+PARTIAL_CANDIDATES = 64
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 cache_budget: int | None = None):
+                 cache_budget: int | None = None,
+                 copy_slots: Callable[[int, int, int], None] | None = None):
+        """copy_slots(src, dst, n): copy the keys and values of block src's first n slots into
+        block dst's (None: no partial hits)."""
         self.block_size = block_size
+        self.copy_slots = copy_slots
         self.enable_prefix_caching = enable_prefix_caching
         # Free blocks holding cached content kept before fresh memory is preferred to them.
         self.cache_budget = num_blocks if cache_budget is None else cache_budget
@@ -72,6 +105,9 @@ class BlockManager:
         self.free_resident: list[int] = []  # a heap: resident, caching nothing
         self.free_fresh: list[int] = list(range(num_blocks))  # a heap: never touched
         self.cached: dict[bytes, int] = {}  # block hash -> block id
+        # Cached blocks of prompt tokens by the key of what they follow (the previous block's
+        # hash, or root_key), oldest first: where partial hits are looked up.
+        self.children: dict[bytes, dict[int, None]] = {}
         self.num_cache_queries = 0  # prompt tokens looked up in the prefix cache
         self.num_cache_hits = 0  # of those, tokens found
 
@@ -100,13 +136,15 @@ class BlockManager:
 
     # -- admission: prefix-cache lookup -------------------------------------------------------
 
-    def match_prefix(self, seq: Sequence) -> list[int]:
-        """Cached blocks holding a prefix of seq's tokens, never its last token (whose logits
-        are needed, so it is always computed)."""
+    def match_prefix(self, seq: Sequence) -> PrefixHit:
+        """Cached blocks holding a prefix of seq's tokens, then a cached block that continues it
+        for part of a block; never seq's last token (whose logits are needed, so it is always
+        computed), and a partial hit only over prompt tokens (a generated token's keys and
+        values come from other kernels)."""
+        hit = PrefixHit()
         if not self.enable_prefix_caching:
-            return []
+            return hit
         bs = self.block_size
-        hits: list[int] = []
         parent = None
         for start in range(0, seq.num_tokens - 1 - bs + 1, bs):
             tokens = tuple(seq.token_ids[start:start + bs])
@@ -115,30 +153,57 @@ class BlockManager:
             block_id = self.cached.get(parent)
             if block_id is None or self.blocks[block_id].token_ids != tokens:
                 break
-            hits.append(block_id)
-        return hits
+            hit.blocks.append(block_id)
+        hit.tokens = start = len(hit.blocks) * bs
+        limit = min(seq.num_tokens - 1, seq.num_prompt_tokens, start + bs - 1) - start
+        if self.copy_slots is None or limit <= 0:
+            return hit
+        key = self.blocks[hit.blocks[-1]].block_hash if hit.blocks else root_key(seq.cache_salt)
+        candidates = self.children.get(key)
+        if candidates:
+            want = seq.token_ids[start:start + limit]
+            for block_id in islice(reversed(candidates), PARTIAL_CANDIDATES):
+                have = self.blocks[block_id].token_ids
+                n = 0
+                while n < limit and have[n] == want[n]:
+                    n += 1
+                if n > hit.tokens - start:
+                    hit.tokens, hit.partial = start + n, block_id
+        return hit
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int, hits: list[int]) -> bool:
-        """Whether admitting seq with these prefix hits and a first chunk of num_new_tokens fits.
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, hit: PrefixHit) -> bool:
+        """Whether admitting seq with this prefix hit and a first chunk of num_new_tokens fits.
         Hit blocks sitting in the free queue stop being free once taken."""
-        reused_free = sum(1 for b in hits if self.blocks[b].ref_count == 0)
-        total = -(-(len(hits) * self.block_size + num_new_tokens) // self.block_size)
-        return total - len(hits) <= self.num_free_blocks - reused_free
+        reused_free = sum(1 for b in hit.blocks if self.blocks[b].ref_count == 0)
+        total = -(-(hit.tokens + num_new_tokens) // self.block_size)
+        return total - len(hit.blocks) <= self.num_free_blocks - reused_free
 
-    def allocate(self, seq: Sequence, num_new_tokens: int, hits: list[int]) -> None:
-        """Admit seq: take its prefix hits, then blocks for its first chunk."""
+    def allocate(self, seq: Sequence, num_new_tokens: int, hit: PrefixHit) -> None:
+        """Admit seq: take its prefix hit's blocks, then blocks for its first chunk, the first
+        of them starting as a copy of the partial hit's. Should the pool be so short that the
+        partial hit's block (free, cached) is taken for the chunk, seq computes those tokens
+        too: the chunk then ends short of the prompt's end and the rest follows next step."""
         assert not seq.block_table
-        for block_id in hits:
+        for block_id in hit.blocks:
             self._take(block_id)
-        seq.block_table = list(hits)
-        seq.num_hashed_blocks = len(hits)
-        seq.last_block_hash = self.blocks[hits[-1]].block_hash if hits else None
-        seq.num_computed_tokens = len(hits) * self.block_size
+        src = hit.partial
+        if src is not None and src in self.free_cached:
+            self.free_cached.move_to_end(src)  # the last cached block evicted for the chunk
+        seq.block_table = list(hit.blocks)
+        seq.num_hashed_blocks = len(hit.blocks)
+        seq.last_block_hash = self.blocks[hit.blocks[-1]].block_hash if hit.blocks else None
+        seq.num_computed_tokens = hit.tokens
+        self.append_slots(seq, num_new_tokens)
+        whole = len(hit.blocks) * self.block_size
+        if src is not None:
+            if self.blocks[src].block_hash is None:  # evicted for the chunk after all
+                seq.num_computed_tokens = whole
+            else:
+                self.copy_slots(src, seq.block_table[len(hit.blocks)], hit.tokens - whole)
         seq.num_cached_tokens = seq.num_computed_tokens
         if not seq.internal:
             self.num_cache_queries += seq.num_tokens
             self.num_cache_hits += seq.num_cached_tokens
-        self.append_slots(seq, num_new_tokens)
 
     # -- growth --------------------------------------------------------------------------------
 
@@ -167,7 +232,12 @@ class BlockManager:
     def _evict(self, block: Block) -> None:
         if self.cached.get(block.block_hash) == block.block_id:
             del self.cached[block.block_hash]
-        block.block_hash, block.token_ids = None, ()
+        if block.parent is not None:
+            siblings = self.children[block.parent]
+            del siblings[block.block_id]
+            if not siblings:
+                del self.children[block.parent]
+        block.block_hash, block.token_ids, block.parent = None, (), None
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register seq's blocks that are full of computed tokens (call after each step)."""
@@ -176,12 +246,15 @@ class BlockManager:
         bs = self.block_size
         for i in range(seq.num_hashed_blocks, seq.num_computed_tokens // bs):
             tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-            block_hash = chain_hash(seq.last_block_hash, tokens, seq.cache_salt,
-                                    holds_generated(seq, i, bs))
+            generated = holds_generated(seq, i, bs)
+            block_hash = chain_hash(seq.last_block_hash, tokens, seq.cache_salt, generated)
             if block_hash not in self.cached:  # an identical block computed elsewhere stays
                 block = self.blocks[seq.block_table[i]]
                 block.block_hash, block.token_ids = block_hash, tokens
                 self.cached[block_hash] = block.block_id
+                if not generated:
+                    block.parent = seq.last_block_hash or root_key(seq.cache_salt)
+                    self.children.setdefault(block.parent, {})[block.block_id] = None
             seq.last_block_hash = block_hash
             seq.num_hashed_blocks = i + 1
 
@@ -190,14 +263,7 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Drop seq's references, tail block first (so tails are evicted before heads)."""
         for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            assert block.ref_count >= 0, f"block {block_id} freed twice"
-            if block.ref_count == 0:
-                if block.block_hash is not None:
-                    self.free_cached[block_id] = None
-                else:
-                    heapq.heappush(self.free_resident, block_id)
+            self._drop(block_id)
         seq.block_table = []
         seq.num_hashed_blocks, seq.last_block_hash = 0, None
 
@@ -222,10 +288,21 @@ class BlockManager:
             del self.free_cached[block_id]  # a hit: only cached blocks are taken by id
         block.ref_count += 1
 
+    def _drop(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        assert block.ref_count >= 0, f"block {block_id} freed twice"
+        if block.ref_count == 0:
+            if block.block_hash is not None:
+                self.free_cached[block_id] = None
+            else:
+                heapq.heappush(self.free_resident, block_id)
+
     def reset_prefix_cache(self) -> None:
         for block_id in self.free_cached:
             heapq.heappush(self.free_resident, block_id)
         self.free_cached.clear()
         for block in self.blocks:
-            block.block_hash, block.token_ids = None, ()
+            block.block_hash, block.token_ids, block.parent = None, (), None
         self.cached.clear()
+        self.children.clear()

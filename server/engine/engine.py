@@ -111,16 +111,17 @@ class Engine:
         budget = config.kv_cache_bytes or default_kv_cache_bytes(device)
         num_blocks = config.num_blocks or max(1, min(need, budget // self.block_bytes))
         self.config = config
+        self.runner = ModelRunner(model, num_blocks, config.block_size, device, dtype,
+                                  self.kv_dtype)
         self.block_manager = BlockManager(num_blocks, config.block_size,
                                           config.enable_prefix_caching,
-                                          config.prefix_cache_bytes // self.block_bytes)
+                                          config.prefix_cache_bytes // self.block_bytes,
+                                          self.runner.copy_slots)
         self.pacer = PrefillPacer(config.max_itl_stretch, MIN_PREFILL_CHUNK)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.max_model_len,
                                    config.max_num_shared_seqs, config.long_prompt_tokens,
                                    self.pacer)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, device, dtype,
-                                  self.kv_dtype)
         self.metrics = Metrics()
         self.recache = ReplyRecache(config.block_size, config.recache_replies_after
                                     if config.enable_prefix_caching else None)

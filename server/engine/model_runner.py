@@ -52,6 +52,14 @@ class ModelRunner:
                 runs.append((b * self.block_size, (b + 1) * self.block_size))
         return release_slots(self.kv_caches, runs)
 
+    def copy_slots(self, src: int, dst: int, n: int) -> None:
+        """Block src's first n slots' keys and values into block dst's, every layer (a prompt
+        that shares part of a cached block: block_manager.py)."""
+        s, d = src * self.block_size, dst * self.block_size
+        for layer in self.kv_caches:
+            for t in layer:  # [num_kv_heads, slots, head_dim]
+                t[:, d:d + n] = t[:, s:s + n]
+
     def release(self, seq) -> None:
         """A sequence left the engine: drop its sampling state (its seeded generator) and
         pooling sum."""

@@ -18,7 +18,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from server.engine.block_manager import BlockManager
+from server.engine.block_manager import BlockManager, PrefixHit
 from server.engine.sequence import Sequence, SequenceStatus
 
 
@@ -189,13 +189,12 @@ class Scheduler:
                 j += 1  # n > 1: siblings wait to share the leader's cached prompt blocks
                 continue
             # Pooling reads every prompt token's hidden state: no prefix hits for embeddings.
-            hits = bm.match_prefix(seq) if seq.pooling is None else []
-            n = self._paced(seq, min(seq.num_tokens - len(hits) * bm.block_size, budget),
-                            prefill_left)
+            hit = bm.match_prefix(seq) if seq.pooling is None else PrefixHit()
+            n = self._paced(seq, min(seq.num_tokens - hit.tokens, budget), prefill_left)
             if n == 0:
                 j += 1  # a long prompt past the cap: a shorter one behind it may still go
                 continue
-            if len(self.running) >= self.max_num_seqs or not bm.can_allocate(seq, n, hits):
+            if len(self.running) >= self.max_num_seqs or not bm.can_allocate(seq, n, hit):
                 refund = self._preempt_lower(seq, out)
                 if refund is None:
                     break
@@ -203,7 +202,7 @@ class Scheduler:
                 continue
             del self.waiting[j], self._waiting_keys[j]
             num_shared += seq.priority > top
-            bm.allocate(seq, n, hits)
+            bm.allocate(seq, n, hit)
             seq.status = SequenceStatus.RUNNING
             seq.arrival = next(self._order)
             # Newest of its priority: after every running sequence of equal or higher priority.

@@ -85,22 +85,24 @@ def test_chunked_prefill_gives_the_same_tokens(llama, pool):
     ("whole prompt", lambda p: list(p)),  # everything but the last token hits
 ])
 def test_prefix_hit_gives_the_same_tokens(llama, kind, second, pool):
+    """A prompt found in the cache, to the token (a partial block's keys and values copied from
+    the cached block), gives the logprobs it gives cold, bit for bit."""
     p = prompt(48, 2)
     q = second(p)
-    cold = Sequence(q, greedy())
+    cold = Sequence(q, greedy(logprobs=True))
     run(llama, [cold], kv_cache_dtype=pool)
     engine = Engine(llama, EngineConfig(num_blocks=64, kv_cache_dtype=pool), CPU, torch.float32)
     first = Sequence(p, greedy())
     engine.add(first)
     while engine.has_unfinished:
         engine.step()
-    hit = Sequence(q, greedy())
+    hit = Sequence(q, greedy(logprobs=True))
     engine.add(hit)
     while engine.has_unfinished:
         engine.step()
-    expected_hit = {"full blocks": 32, "partial block": 32, "whole prompt": 32}[kind]
+    expected_hit = {"full blocks": 32, "partial block": 40, "whole prompt": 47}[kind]
     assert hit.num_cached_tokens == expected_hit
-    assert hit.output_token_ids == cold.output_token_ids
+    assert (hit.output_token_ids, hit.logprobs) == (cold.output_token_ids, cold.logprobs)
 
 
 def test_preempted_and_resumed_equals_solo(llama):
@@ -245,7 +247,7 @@ def test_idle_engine_computes_a_finished_reply_as_prompt_and_yields_to_arrivals(
     assert engine.block_manager.num_free_blocks == len(engine.block_manager.blocks)
     # The next turn reuses the prompt block and the two blocks computed before the arrival.
     next_turn = Sequence(first.token_ids + prompt(4, 3), greedy(2))
-    assert len(engine.block_manager.match_prefix(next_turn)) == 3
+    assert len(engine.block_manager.match_prefix(next_turn).blocks) == 3
 
 
 def test_bf16_kv_pool_holds_twice_the_blocks_and_gives_the_same_tokens(llama):
