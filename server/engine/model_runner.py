@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -89,18 +90,29 @@ class ModelRunner:
                                      self.block_size, self.device, self.dtype, prompt_lens),
             rows=split_rows(prompt_rows, len(input_ids), self.device, self.unpacked,
                             prompts_continue))
+        # Logits only for the last token of each sequence that samples this step. In a step
+        # with prompt rows, most rows are read by nothing after it: the last layer computes
+        # only the sampled ones past attention (unless a sequence pools every row).
+        ends = itertools.accumulate(num_new)
+        sampled = [end - 1 for end, flag in zip(ends, out.is_sampling, strict=True) if flag]
+        sampled_rows = torch.tensor(sampled, dtype=torch.long, device=self.device)
+        pooling = any(s.pooling for s in seqs)
+        if prompt_rows and not pooling:
+            prompt = set(prompt_rows)
+            batch.outputs = sampled_rows
+            batch.output_rows = split_rows([i for i, r in enumerate(sampled) if r in prompt],
+                                           len(sampled), self.device, self.unpacked,
+                                           prompts_continue)
         try:
             hidden = self.model(batch, self.kv_caches)
         finally:
             end_step(batch.rows)
-        embeddings = self._pool(out, hidden) if any(s.pooling for s in seqs) else []
-        # Logits only for the last token of each sequence that samples this step.
-        last = torch.tensor(num_new).cumsum(0) - 1
-        rows = last[torch.tensor(out.is_sampling, dtype=torch.bool)]
+        embeddings = self._pool(out, hidden) if pooling else []
         sampling = [s for s, flag in zip(seqs, out.is_sampling, strict=True) if flag]
         if not sampling:
             return StepResult([], None, None, embeddings)
-        logits = self.model.compute_logits(hidden[rows.to(self.device)])
+        logits = self.model.compute_logits(hidden if batch.outputs is not None
+                                           else hidden[sampled_rows])
         result = self.sampler(logits, sampling)
         # The step's one host sync: everything needed on the host comes over together.
         token_ids = result.token_ids.tolist()

@@ -17,3 +17,7 @@ class ForwardBatch:
     input_ids: torch.Tensor  # [num_tokens]
     attention: AttentionMetadata  # positions, cache slots, attention groups
     rows: RowSplit | None = None  # which rows hold prompt tokens (None outside an engine step)
+    # The rows whose hidden states are read after the forward (the sampling ones), with their
+    # own split; None: every row. Past the last layer's attention only these are computed.
+    outputs: torch.Tensor | None = None
+    output_rows: RowSplit | None = None

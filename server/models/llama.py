@@ -178,9 +178,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, rope: Rotary, k_cache, v_cache, batch: ForwardBatch):
+    def forward(self, x, rope: Rotary, k_cache, v_cache, batch: ForwardBatch, last=False):
+        """last: the model's last layer, which may compute only batch.outputs past attention
+        (every row's keys and values are still stored)."""
         x = x + self.self_attn(self.input_layernorm(x), rope, k_cache, v_cache, batch)
-        return x + self.mlp(self.post_attention_layernorm(x), batch.rows)
+        rows = batch.rows
+        if last and batch.outputs is not None:
+            x, rows = x[batch.outputs], batch.output_rows
+            if not x.shape[0]:
+                return x
+        return x + self.mlp(self.post_attention_layernorm(x), rows)
 
 
 class Backbone(nn.Module):
@@ -217,16 +224,19 @@ class LlamaForCausalLM(nn.Module):
         batch: ForwardBatch,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer: ([Hkv, slots, D],)*2
     ) -> torch.Tensor:
-        """Hidden states after the final norm: [T, hidden]."""
+        """Hidden states after the final norm: [T, hidden], or [len(batch.outputs), hidden]."""
         x = self.model.embed_tokens(batch.input_ids)
         rope_cos, rope_sin = self._rope_tables(x.device)
         rope = Rotary(rope_cos, rope_sin, batch.attention.positions, x.dtype)
         plan = self._decode_plan() if x.device.type == "cpu" else None
         if plan is not None and plan.takes(x, batch, kv_caches):
-            return self.model.norm(plan.run(x, rope, kv_caches, batch))
-        for layer, (k_cache, v_cache) in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, rope, k_cache, v_cache, batch)
-        return self.model.norm(x)
+            x = plan.run(x, rope, kv_caches, batch)
+            return self.model.norm(x if batch.outputs is None else x[batch.outputs])
+        last = len(self.model.layers) - 1
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.model.layers, kv_caches,
+                                                            strict=True)):
+            x = layer(x, rope, k_cache, v_cache, batch, i == last)
+        return self.model.norm(x) if x.shape[0] else x
 
     def _decode_plan(self) -> DecodePlan | None:
         """The decode plan (decode_plan.py), rebuilt when the C libraries in use change."""

@@ -8,7 +8,7 @@ import torch
 from server.engine.engine import Engine, EngineConfig
 from server.engine.pacing import MIN_PREFILL_CHUNK, PrefillPacer
 from server.engine.scheduler import RequestTooLargeError
-from server.engine.sequence import PRIORITY_BATCH, SamplingParams, Sequence, SequenceStatus
+from server.engine.sequence import PRIORITY_BATCH, Pooling, SamplingParams, Sequence, SequenceStatus
 from server.models.loader import build_model
 from tests.helpers import hf_model, our_config
 
@@ -150,6 +150,20 @@ def test_seed_reproducible_and_independent_of_batch(llama):
     c = Sequence(p, SamplingParams(max_tokens=12, temperature=1.0, seed=4321))
     run(llama, [c])
     assert c.output_token_ids != a.output_token_ids
+
+
+def test_last_layer_computing_only_the_sampled_rows_changes_no_number(llama):
+    """Past the last layer's attention a step computes only the rows it samples from, unless an
+    embedding request (which reads every row) shares the step: a chat's logprobs are the same
+    bit for bit either way, its prompt steps shared or not."""
+    p = prompt(40, 8)
+    alone = Sequence(p, greedy(6, logprobs=True))
+    run(llama, [alone], max_num_batched_tokens=16)
+    shared = Sequence(p, greedy(6, logprobs=True))
+    embedding = Sequence(prompt(60, 9), SamplingParams(max_tokens=0), pooling=Pooling("mean"))
+    engine = run(llama, [shared, embedding], max_num_batched_tokens=16)
+    assert engine.metrics.num_steps > 6 and embedding.embedding is not None
+    assert (shared.output_token_ids, shared.logprobs) == (alone.output_token_ids, alone.logprobs)
 
 
 def test_logprobs_recorded(llama):
