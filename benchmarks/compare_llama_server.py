@@ -9,9 +9,11 @@ GGUF that `localserve pull smollm2-135m` starts from (out of the cached llm-smol
 written and pulled on first use). llama-server runs with `-t 2 --parallel 16 -c 32768 --jinja`
 (more context for prompts that would not fit a slot).
 A roofline row gives the tokens/s that reading the weights once per step at the machine's
-measured bandwidth allows. Writes benchmarks/results/compare-SHAPE-KIND.{json,md,png} and the
-table between the compare-SHAPE-KIND markers (KIND: amx, zen4, zen5, avx512 or avx2) of
-benchmarks/RESULTS.md.
+measured bandwidth allows. With --rounds N the servers take turns N times (fresh servers each
+round), since a shared host drifts by 20-30% within minutes: each figure is then the median
+of its rounds, and each ratio the median of the ratios within a round, with their range.
+Writes benchmarks/results/compare-SHAPE-KIND.{json,md,png} and the table between the
+compare-SHAPE-KIND markers (KIND: amx, zen4, zen5, avx512 or avx2) of benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import json
 import os
 import re
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -116,8 +119,6 @@ def weight_bytes(shape: str, tag: str, gguf: Path) -> int:
 
 def read_bandwidth() -> float:
     """Bytes/s of summing a 512 MB array with torch's threads (the median of 7)."""
-    import statistics
-
     import torch
 
     x = torch.ones(128 << 20, dtype=torch.float32)
@@ -203,10 +204,11 @@ def serve_llama(binary: str, tmp: Path, args, gguf: Path) -> dict:
         proc.wait(60)
 
 
-def table(reports: list[dict]) -> str:
+def table(reports: list[dict], rounds: list[list[dict]] | None = None) -> str:
     """tok/s at every level, TTFT p95 at the issue's 32 clients (else the highest level),
     inter-token latency at the lowest, the weights a step reads and the one-client roofline;
-    then localserve int4 over llama-server at each level."""
+    then localserve int4 over llama-server at each level. `rounds` (several): `reports` are
+    their medians, and each ratio is the median of the rounds' own, with their range."""
     levels = [lv["concurrency"] for lv in reports[0]["levels"]]
     at = levels.index(32) if 32 in levels else len(levels) - 1
     head = "| server | " + " | ".join(f"{c} clients tok/s" for c in levels)
@@ -220,15 +222,45 @@ def table(reports: list[dict]) -> str:
                     f"{(lv[0]['itl']['p50'] or 0) * 1000:.0f} ms | "
                     f"{r['weight_bytes'] / 1e6:.0f} MB | "
                     f"{r['bandwidth'] / r['weight_bytes']:.0f} tok/s |")
+    per_round = [ratios(r, at) for r in rounds or [reports]]
+    if all(per_round):
+        cells = []
+        for values in zip(*per_round, strict=True):  # each level's, then TTFT's
+            cell = f"{statistics.median(values):.2f}x"
+            if len(values) > 1:
+                cell += f" ({min(values):.2f}-{max(values):.2f})"
+            cells.append(cell)
+        rows.append("| int4 / llama-server | " + " | ".join(cells) + " | | | |")
+    return "\n".join(rows) + "\n"
+
+
+def ratios(reports: list[dict], at: int) -> list[float] | None:
+    """localserve int4's tok/s over llama-server's at each level, then TTFT p95 at level `at`
+    (None without both servers)."""
     by_label = {r["label"]: r for r in reports}
     ours, theirs = by_label.get("localserve int4"), by_label.get("llama-server Q4_1")
-    if ours and theirs:
-        ratios = [a["tokens_per_s"] / b["tokens_per_s"]
-                  for a, b in zip(ours["levels"], theirs["levels"], strict=True)]
-        ttft = ours["levels"][at]["ttft"]["p95"] / theirs["levels"][at]["ttft"]["p95"]
-        rows.append("| int4 / llama-server | " + " | ".join(f"{x:.2f}x" for x in ratios)
-                    + f" | {ttft:.2f}x | | | |")
-    return "\n".join(rows) + "\n"
+    if not (ours and theirs):
+        return None
+    out = [a["tokens_per_s"] / b["tokens_per_s"]
+           for a, b in zip(ours["levels"], theirs["levels"], strict=True)]
+    return out + [ours["levels"][at]["ttft"]["p95"] / theirs["levels"][at]["ttft"]["p95"]]
+
+
+def medians(rounds: list[list[dict]]) -> list[dict]:
+    """One report per server whose levels hold the median over the rounds of tok/s and of
+    every TTFT and inter-token percentile (and the bandwidth probe's median)."""
+    merged = []
+    for same in zip(*rounds, strict=True):  # one server's report in each round
+        levels = []
+        for lv in zip(*(r["levels"] for r in same), strict=True):
+            level = dict(lv[0], tokens_per_s=statistics.median(x["tokens_per_s"] for x in lv))
+            for key in ("ttft", "itl"):
+                level[key] = {q: statistics.median(x[key][q] or 0 for x in lv)
+                              for q in lv[0][key]}
+            levels.append(level)
+        merged.append(dict(same[0], levels=levels,
+                           bandwidth=statistics.median(r["bandwidth"] for r in same)))
+    return merged
 
 
 def main() -> None:
@@ -243,6 +275,8 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0, help="default 0: greedy")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--serve-args", default="", help="extra `localserve serve` flags")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="the servers take turns this many times (medians; default 1)")
     ap.add_argument("--from-json", action="store_true",
                     help="no runs: rewrite the table, plot and RESULTS.md from "
                          "results/compare-SHAPE.json")
@@ -251,13 +285,18 @@ def main() -> None:
     def out(ext: str) -> Path:  # not with_suffix: the shape "1.7b" has a dot of its own
         return RESULTS / f"compare-{args.shape}-{machine_kind()}{ext}"
 
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
     if args.from_json:
         run = json.loads(out(".json").read_text())
     else:
+        rounds = [run_all(args) for _ in range(args.rounds)]
         run = {"machine": machine(), "kind": machine_kind(), "date": time.strftime("%Y-%m-%d"),
-               "command": shlex.join(sys.argv[1:]), "reports": run_all(args)}
+               "command": shlex.join(sys.argv[1:]), "reports": medians(rounds)}
+        if len(rounds) > 1:
+            run["rounds"] = rounds
         out(".json").write_text(json.dumps(run, indent=2))
-    md = table(run["reports"])
+    md = table(run["reports"], run.get("rounds"))
     out(".md").write_text(md)
     plot(run["reports"], out(".png"))
     write_results(md, run, args.shape)

@@ -103,3 +103,28 @@ def test_a_table_replaces_its_own_kind_and_adds_a_new_kind_after_another(tmp_pat
     assert "--llama-server BIN" in text and "/x/llama-server" not in text
     compare.write_results("| 360m |\n", run | {"kind": "zen4"}, "360m", readme)
     assert "| 360m |" not in readme.read_text()  # no table of that shape to add it after
+
+
+def test_rounds_give_medians_and_each_ratio_within_its_own_round(monkeypatch):
+    compare = load_compare(monkeypatch)
+
+    def report(label, tok_s, ttft_p95):
+        levels = [{"concurrency": c, "tokens_per_s": t,
+                   "ttft": {"p50": 0.1, "p95": f, "p99": f},
+                   "itl": {"p50": 0.01, "p95": 0.02, "p99": None}}
+                  for c, t, f in zip((1, 32), tok_s, ttft_p95, strict=True)]
+        return {"label": label, "weight_bytes": 1e8, "bandwidth": 2e10, "levels": levels}
+
+    ours, theirs = "localserve int4", "llama-server Q4_1"
+    rounds = [[report(ours, (90, 200), (0.2, 5)), report(theirs, (60, 80), (0.4, 20))],
+              [report(ours, (80, 150), (0.3, 7)), report(theirs, (50, 50), (0.5, 21))],
+              [report(ours, (100, 240), (0.2, 6)), report(theirs, (70, 100), (0.4, 22))]]
+    merged = compare.medians(rounds)
+    assert [lv["tokens_per_s"] for lv in merged[0]["levels"]] == [90, 200]
+    assert [lv["ttft"]["p95"] for lv in merged[1]["levels"]] == [0.4, 21]
+    # Each ratio within its round (1.50, 1.60, 1.43 at one client), then their median.
+    md = compare.table(merged, rounds)
+    assert "| int4 / llama-server | 1.50x (1.43-1.60) | 2.50x (2.40-3.00) | 0.27x (0.25-0.33) |" \
+        in md
+    assert "| localserve int4 | 90 | 200 | 6000 ms |" in md
+    assert "| int4 / llama-server | 1.50x | 2.50x | 0.25x |" in compare.table(rounds[0])
