@@ -247,16 +247,24 @@ def ratios(reports: list[dict], at: int) -> list[float] | None:
 
 
 def medians(rounds: list[list[dict]]) -> list[dict]:
-    """One report per server whose levels hold the median over the rounds of tok/s and of
-    every TTFT and inter-token percentile (and the bandwidth probe's median)."""
+    """One report per server whose levels hold, over the rounds, the totals of requests,
+    errors and tokens, the first error, and the median of every other figure and percentile
+    (and the bandwidth probe's median)."""
     merged = []
     for same in zip(*rounds, strict=True):  # one server's report in each round
         levels = []
         for lv in zip(*(r["levels"] for r in same), strict=True):
-            level = dict(lv[0], tokens_per_s=statistics.median(x["tokens_per_s"] for x in lv))
-            for key in ("ttft", "itl"):
-                level[key] = {q: statistics.median(x[key][q] or 0 for x in lv)
-                              for q in lv[0][key]}
+            level = dict(lv[0])
+            for key, value in lv[0].items():
+                if key in ("requests", "errors", "output_tokens"):
+                    level[key] = sum(x[key] for x in lv)
+                elif key == "first_error":
+                    level[key] = next((x[key] for x in lv if x[key]), None)
+                elif isinstance(value, dict):
+                    level[key] = {q: statistics.median(x[key][q] or 0 for x in lv)
+                                  for q in value}
+                elif isinstance(value, int | float) and key != "concurrency":
+                    level[key] = statistics.median(x[key] for x in lv)
             levels.append(level)
         merged.append(dict(same[0], levels=levels,
                            bandwidth=statistics.median(r["bandwidth"] for r in same)))

@@ -109,7 +109,8 @@ def test_rounds_give_medians_and_each_ratio_within_its_own_round(monkeypatch):
     compare = load_compare(monkeypatch)
 
     def report(label, tok_s, ttft_p95):
-        levels = [{"concurrency": c, "tokens_per_s": t,
+        levels = [{"concurrency": c, "tokens_per_s": t, "errors": int(t == 150),
+                   "first_error": "HTTP 500" if t == 150 else None,
                    "ttft": {"p50": 0.1, "p95": f, "p99": f},
                    "itl": {"p50": 0.01, "p95": 0.02, "p99": None}}
                   for c, t, f in zip((1, 32), tok_s, ttft_p95, strict=True)]
@@ -122,6 +123,8 @@ def test_rounds_give_medians_and_each_ratio_within_its_own_round(monkeypatch):
     merged = compare.medians(rounds)
     assert [lv["tokens_per_s"] for lv in merged[0]["levels"]] == [90, 200]
     assert [lv["ttft"]["p95"] for lv in merged[1]["levels"]] == [0.4, 21]
+    assert [(lv["errors"], lv["first_error"]) for lv in merged[0]["levels"]] == \
+        [(0, None), (1, "HTTP 500")]  # one round's error is not hidden by the others
     # Each ratio within its round (1.50, 1.60, 1.43 at one client), then their median.
     md = compare.table(merged, rounds)
     assert "| int4 / llama-server | 1.50x (1.43-1.60) | 2.50x (2.40-3.00) | 0.27x (0.25-0.33) |" \
