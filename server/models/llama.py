@@ -230,8 +230,7 @@ class LlamaForCausalLM(nn.Module):
         rope = Rotary(rope_cos, rope_sin, batch.attention.positions, x.dtype)
         plan = self._decode_plan() if x.device.type == "cpu" else None
         if plan is not None and plan.takes(x, batch, kv_caches):
-            x = plan.run(x, rope, kv_caches, batch)
-            return self.model.norm(x if batch.outputs is None else x[batch.outputs])
+            return self.model.norm(plan.run(x, rope, kv_caches, batch))
         last = len(self.model.layers) - 1
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.model.layers, kv_caches,
                                                             strict=True)):
