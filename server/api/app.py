@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import logging
 
 from starlette.applications import Starlette
@@ -61,13 +62,21 @@ async def prometheus(request: Request) -> Response:
 
 
 def _model_object(state: ServerState) -> dict:
+    """The served model in OpenAI's fields and Anthropic's at once (`type`, `display_name`,
+    `created_at` in RFC 3339), so that both SDKs' `models.list()` and `retrieve()` read every
+    field they declare; each ignores the other's."""
+    created_at = datetime.datetime.fromtimestamp(state.created, datetime.UTC)
     return {"id": state.served_name, "object": "model", "created": state.created,
-            "owned_by": "localserve"}
+            "owned_by": "localserve", "type": "model", "display_name": state.served_name,
+            "created_at": created_at.isoformat().replace("+00:00", "Z")}
 
 
 async def list_models(request: Request) -> Response:
     state: ServerState = request.app.state.server
-    return JSONResponse({"object": "list", "data": [_model_object(state)]})
+    model = _model_object(state)
+    # has_more / first_id / last_id: Anthropic's page (one model, one page)
+    return JSONResponse({"object": "list", "data": [model], "has_more": False,
+                         "first_id": model["id"], "last_id": model["id"]})
 
 
 async def get_model(request: Request) -> Response:

@@ -38,6 +38,19 @@ def test_create_answers_a_message_with_usage(anthropic_client):
     assert m.usage.input_tokens + m.usage.cache_read_input_tokens > 0
 
 
+def test_models_list_and_retrieve_fill_anthropic_s_fields(anthropic_client):
+    import datetime
+
+    page = anthropic_client.models.list()
+    assert [m.id for m in page.data] == [MODEL]
+    assert page.has_more is False and page.first_id == page.last_id == MODEL
+    model = anthropic_client.models.retrieve(MODEL)
+    assert model.type == "model" and model.display_name == MODEL
+    assert isinstance(model.created_at, datetime.datetime)
+    assert model.created_at.utcoffset() == datetime.timedelta(0)
+    assert model.model_dump() == page.data[0].model_dump()
+
+
 def test_stream_events_add_up_to_the_created_message(anthropic_client):
     kwargs = dict(model=MODEL, max_tokens=16, system="You are terse.",
                   messages=[{"role": "user", "content": "Tell me about the sea"}],
