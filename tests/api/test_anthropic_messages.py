@@ -4,6 +4,7 @@ Anthropic's envelope, and the x-api-key header."""
 
 from __future__ import annotations
 
+import datetime
 import json
 
 import httpx
@@ -39,8 +40,6 @@ def test_create_answers_a_message_with_usage(anthropic_client):
 
 
 def test_models_list_and_retrieve_fill_anthropic_s_fields(anthropic_client):
-    import datetime
-
     page = anthropic_client.models.list()
     assert [m.id for m in page.data] == [MODEL]
     assert page.has_more is False and page.first_id == page.last_id == MODEL
