@@ -68,7 +68,7 @@ def _model_object(state: ServerState) -> dict:
     created_at = datetime.datetime.fromtimestamp(state.created, datetime.UTC)
     return {"id": state.served_name, "object": "model", "created": state.created,
             "owned_by": "localserve", "type": "model", "display_name": state.served_name,
-            "created_at": created_at.isoformat().replace("+00:00", "Z")}
+            "created_at": created_at.strftime("%Y-%m-%dT%H:%M:%SZ")}
 
 
 async def list_models(request: Request) -> Response:

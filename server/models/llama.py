@@ -235,7 +235,7 @@ class LlamaForCausalLM(nn.Module):
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.model.layers, kv_caches,
                                                             strict=True)):
             x = layer(x, rope, k_cache, v_cache, batch, i == last)
-        return self.model.norm(x) if x.shape[0] else x
+        return self.model.norm(x)
 
     def _decode_plan(self) -> DecodePlan | None:
         """The decode plan (decode_plan.py), rebuilt when the C libraries in use change."""
