@@ -18,12 +18,16 @@ from storage.db import Database
 from storage.files import FileStore, idempotent_hit, remember
 
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
+ENDED = ("completed", "failed", "expired", "cancelled")
 TIMESTAMPS = ("created_at", "in_progress_at", "expires_at", "finalizing_at", "completed_at",
               "failed_at", "expired_at", "cancelling_at", "cancelled_at")
 
 
-def new_batch_id() -> str:
-    return f"batch_{uuid.uuid4().hex}"
+MESSAGES = "/v1/messages"  # the endpoint of Anthropic's Message Batches (message_batches.py)
+
+
+def new_batch_id(endpoint: str) -> str:
+    return f"{'msgbatch' if endpoint == MESSAGES else 'batch'}_{uuid.uuid4().hex}"
 
 
 class BatchStore:
@@ -34,24 +38,36 @@ class BatchStore:
     # -- batches ---------------------------------------------------------------------------------
 
     def create(self, tenant: str, fields: dict[str, Any], window_seconds: int,
-               idempotency_key: str | None = None) -> dict[str, Any]:
+               idempotency_key: str | None = None,
+               lines: list[tuple[int, str, str]] | None = None) -> dict[str, Any]:
+        """A batch 'validating' its input file, or, given its `lines` (Anthropic's Message
+        Batches, whose requests come with them), 'in_progress' with them in the same
+        transaction."""
         with self.db.transaction() as db:
             if idempotency_key:
                 first = idempotent_hit(db, tenant, "batches", idempotency_key)
                 if first is not None and (row := self._get(db, tenant, first)) is not None:
                     return row
             now = int(time.time())
-            row = {"id": new_batch_id(), "tenant": tenant, "status": "validating",
-                   "created_at": now, "expires_at": now + window_seconds,
-                   "errors": None, "total": 0, "completed": 0, "failed": 0, **fields}
+            row = {"id": new_batch_id(fields["endpoint"]), "tenant": tenant,
+                   "status": "validating", "created_at": now,
+                   "expires_at": now + window_seconds, "errors": None, "total": 0,
+                   "completed": 0, "failed": 0, **fields}
             row["metadata"] = json.dumps(fields.get("metadata"))
+            if lines is not None:
+                row |= {"status": "in_progress", "in_progress_at": now, "total": len(lines)}
             db["batches"].insert(row)
+            if lines is not None:
+                self._insert_lines(db, row["id"], lines)
             if idempotency_key:
                 remember(db, tenant, "batches", idempotency_key, row["id"])
         return self._get(self.db.db, tenant, row["id"])
 
-    def get(self, tenant: str, batch_id: str) -> dict[str, Any] | None:
-        return self._get(self.db.db, tenant, batch_id)
+    def get(self, tenant: str, batch_id: str, messages: bool = False
+            ) -> dict[str, Any] | None:
+        """The tenant's OpenAI batch or (messages) Anthropic Message Batch of that id."""
+        row = self._get(self.db.db, tenant, batch_id)
+        return row if row is not None and (row["endpoint"] == MESSAGES) == messages else None
 
     def _get(self, db, tenant: str | None, batch_id: str) -> dict[str, Any] | None:
         sql, args = "select * from batches where id = ?", [batch_id]
@@ -60,16 +76,31 @@ class BatchStore:
         rows = list(db.query(sql, args))
         return rows[0] if rows else None
 
-    def list(self, tenant: str, after: str | None, limit: int
-             ) -> tuple[list[dict[str, Any]], bool]:
-        """Newest first (creation order is rowid order); `after` is a batch id cursor."""
-        where, args = "tenant = ?", [tenant]
+    def list(self, tenant: str, limit: int, after: str | None = None, before: str | None = None,
+             messages: bool = False) -> tuple[list[dict[str, Any]], bool]:
+        """OpenAI's batches or (messages) Anthropic's Message Batches, newest first (creation
+        order is rowid order). `after` / `before` are batch id cursors: the page of older /
+        newer batches next to that one; has_more says whether more lie beyond the page."""
+        where = f"tenant = ? and endpoint {'=' if messages else '!='} ?"
+        args: list[Any] = [tenant, MESSAGES]
         if after:
             where += " and rowid < coalesce((select rowid from batches where id = ?), -1)"
             args.append(after)
-        rows = list(self.db.db.query(f"select * from batches where {where} order by rowid desc "
-                                     "limit ?", [*args, limit + 1]))
-        return rows[:limit], len(rows) > limit
+        if before:
+            where += " and rowid > coalesce((select rowid from batches where id = ?), 1 << 62)"
+            args.append(before)
+        order = "asc" if before and not after else "desc"  # nearest the cursor first
+        rows = list(self.db.db.query(f"select * from batches where {where} order by rowid "
+                                     f"{order} limit ?", [*args, limit + 1]))
+        page = rows[:limit]
+        return (page[::-1] if order == "asc" else page), len(rows) > limit
+
+    def delete(self, tenant: str, batch_id: str) -> None:
+        """The batch and its lines, gone (the caller checked that it has ended)."""
+        with self.db.transaction() as db:
+            db.execute("delete from batch_lines where batch_id = (select id from batches where "
+                       "id = ? and tenant = ?)", [batch_id, tenant])
+            db.execute("delete from batches where id = ? and tenant = ?", [batch_id, tenant])
 
     def active(self) -> list[dict[str, Any]]:
         """Batches with work left (all tenants), oldest first."""
@@ -107,11 +138,15 @@ class BatchStore:
                 return False
             db.execute("update batches set total = ?, model = ? where id = ?",
                        [len(lines), model, batch_id])
-            db.conn.executemany(
-                "insert or ignore into batch_lines (batch_id, custom_id, line, body, state) "
-                "values (?, ?, ?, ?, 'pending')",
-                [(batch_id, cid, n, body) for n, cid, body in lines])
+            self._insert_lines(db, batch_id, lines)
         return True
+
+    @staticmethod
+    def _insert_lines(db, batch_id: str, lines: list[tuple[int, str, str]]) -> None:
+        db.conn.executemany(
+            "insert or ignore into batch_lines (batch_id, custom_id, line, body, state) "
+            "values (?, ?, ?, ?, 'pending')",
+            [(batch_id, cid, n, body) for n, cid, body in lines])
 
     def fail(self, batch_id: str, errors: list[dict[str, Any]]) -> None:
         with self.db.transaction() as db:
@@ -127,6 +162,17 @@ class BatchStore:
                                 "= ? and state = 'pending' order by line limit ?",
                                 [batch_id, limit + len(skip)])
         return [r for r in rows if r["custom_id"] not in skip][:limit]
+
+    def line_counts(self, batch_id: str) -> dict[str, int]:
+        """Lines by state: pending, done, failed, cancelled, expired."""
+        rows = self.db.db.query("select state, count(*) as n from batch_lines where batch_id "
+                                "= ? group by state", [batch_id])
+        return {r["state"]: r["n"] for r in rows}
+
+    def lines_after(self, batch_id: str, line: int, limit: int) -> list[dict[str, Any]]:
+        """Up to `limit` lines after line number `line`, in input order."""
+        return list(self.db.db.query("select * from batch_lines where batch_id = ? and line > ? "
+                                     "order by line limit ?", [batch_id, line, limit]))
 
     def num_pending(self, batch_id: str) -> int:
         rows = self.db.db.query("select count(*) as n from batch_lines where batch_id = ? and "
@@ -173,28 +219,35 @@ class BatchStore:
         transaction (files under fixed ids, so doing it again after a crash is harmless)."""
         with self.db.transaction() as db:
             batch = self._get(db, None, batch_id)
-            if batch is None or batch["status"] in ("completed", "failed", "expired",
-                                                    "cancelled"):
+            if batch is None or batch["status"] in ENDED:
                 return
-            rows = list(db.query("select * from batch_lines where batch_id = ? order by line",
-                                 [batch_id]))
-            good = [_output_line(r) for r in rows if r["state"] == "done"]
-            bad = [_output_line(r) for r in rows if r["state"] != "done"]
-            output_id = error_id = None
-            if good or not bad:
-                output_id = f"file-{batch_id}-output"
-                self.files.write(db, output_id, batch["tenant"], f"{batch_id}_output.jsonl",
-                                 "batch_output", good, batch["output_expires_after"])
-            if bad:
-                error_id = f"file-{batch_id}-errors"
-                self.files.write(db, error_id, batch["tenant"], f"{batch_id}_errors.jsonl",
-                                 "batch_output", bad, batch["output_expires_after"])
+            # Anthropic's results are read from the lines themselves
+            output_id, error_id = (None, None) if batch["endpoint"] == MESSAGES else \
+                self._write_outputs(db, batch)
             now = int(time.time())
             stamps = {f"{final_status}_at": now}
             if final_status == "completed":
                 stamps["finalizing_at"] = batch["finalizing_at"] or now
             db["batches"].update(batch_id, {"status": final_status, "output_file_id": output_id,
                                             "error_file_id": error_id, **stamps})
+
+    def _write_outputs(self, db, batch: dict[str, Any]) -> tuple[str | None, str | None]:
+        """OpenAI's output and error files (ids of those written)."""
+        batch_id = batch["id"]
+        rows = list(db.query("select * from batch_lines where batch_id = ? order by line",
+                             [batch_id]))
+        good = [_output_line(r) for r in rows if r["state"] == "done"]
+        bad = [_output_line(r) for r in rows if r["state"] != "done"]
+        output_id = error_id = None
+        if good or not bad:
+            output_id = f"file-{batch_id}-output"
+            self.files.write(db, output_id, batch["tenant"], f"{batch_id}_output.jsonl",
+                             "batch_output", good, batch["output_expires_after"])
+        if bad:
+            error_id = f"file-{batch_id}-errors"
+            self.files.write(db, error_id, batch["tenant"], f"{batch_id}_errors.jsonl",
+                             "batch_output", bad, batch["output_expires_after"])
+        return output_id, error_id
 
 
 def _output_line(row: dict[str, Any]) -> str:
@@ -245,10 +298,14 @@ def batch_object(row: dict[str, Any], usage: dict[str, int] | None = None) -> di
 
 
 def _token_counts(usage: dict[str, Any] | None) -> tuple[int, int, int]:
-    """(prompt, completion, cached) tokens of a usage object in either of OpenAI's shapes:
-    chat's and embeddings' (prompt_tokens ...) or the Responses API's (input_tokens ...)."""
+    """(prompt, completion, cached) tokens of a usage object in either of OpenAI's shapes,
+    chat's and embeddings' (prompt_tokens ...) or the Responses API's (input_tokens ...), or in
+    Anthropic's (input_tokens, cache_read_input_tokens ...)."""
     if not usage:
         return 0, 0, 0
+    if "cache_read_input_tokens" in usage:  # Anthropic's: input_tokens leaves out the cached
+        cached = usage["cache_read_input_tokens"]
+        return usage["input_tokens"] + cached, usage.get("output_tokens", 0), cached
     if "input_tokens" in usage:
         details = usage.get("input_tokens_details") or {}
         return usage["input_tokens"], usage.get("output_tokens", 0), details.get(

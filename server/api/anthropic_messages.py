@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse, Response
 from server.api.anthropic_protocol import parse_messages_request
 from server.api.body import read_json
 from server.api.protocol import ChatRequest
-from server.api.serving import Generation, respond
+from server.api.serving import Generation, answer_for_batch, respond
 from server.api.state import ServerState
 from server.api.tools import parsed_arguments
 from server.api.turn import Piece, Turn, count_prompt_tokens, pieces, start_turn
@@ -35,6 +35,12 @@ async def count_tokens(request: Request) -> Response:
     req = parse_messages_request(body, state.vocab_size, count_only=True)
     state.check_model(req.model)
     return JSONResponse({"input_tokens": await count_prompt_tokens(state, req, "messages")})
+
+
+async def messages_answer(state: ServerState, body: dict[str, Any], salt: str, priority: int
+                          ) -> dict[str, Any]:
+    """The `message` a plain request with this body gets (for Message Batches)."""
+    return await answer_for_batch(state, body, salt, priority, parse_messages_request, _start)
 
 
 async def _start(state: ServerState, req: ChatRequest, salt: str, priority: int) -> Generation:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime
 import logging
 
 from starlette.applications import Starlette
@@ -22,9 +21,11 @@ from server.api import (
     dashboard,
     embeddings,
     files,
+    message_batches,
     metrics,
     responses,
 )
+from server.api.anthropic_protocol import rfc3339
 from server.api.auth import AuthMiddleware
 from server.api.batch_worker import BatchWorker
 from server.api.chat import create_chat_completion
@@ -65,10 +66,9 @@ def _model_object(state: ServerState) -> dict:
     """The served model in OpenAI's fields and Anthropic's at once (`type`, `display_name`,
     `created_at` in RFC 3339), so that both SDKs' `models.list()` and `retrieve()` read every
     field they declare; each ignores the other's."""
-    created_at = datetime.datetime.fromtimestamp(state.created, datetime.UTC)
     return {"id": state.served_name, "object": "model", "created": state.created,
             "owned_by": "localserve", "type": "model", "display_name": state.served_name,
-            "created_at": created_at.strftime("%Y-%m-%dT%H:%M:%SZ")}
+            "created_at": rfc3339(state.created)}
 
 
 async def list_models(request: Request) -> Response:
@@ -186,6 +186,16 @@ def create_app(settings: ServerSettings, state: ServerState | None = None) -> St
         Route("/v1/embeddings", embeddings.create_embeddings, methods=["POST"]),
         Route("/v1/messages", anthropic_messages.create_message, methods=["POST"]),
         Route("/v1/messages/count_tokens", anthropic_messages.count_tokens, methods=["POST"]),
+        Route("/v1/messages/batches", message_batches.create_message_batch, methods=["POST"]),
+        Route("/v1/messages/batches", message_batches.list_message_batches, methods=["GET"]),
+        Route("/v1/messages/batches/{message_batch_id}", message_batches.get_message_batch,
+              methods=["GET"]),
+        Route("/v1/messages/batches/{message_batch_id}", message_batches.delete_message_batch,
+              methods=["DELETE"]),
+        Route("/v1/messages/batches/{message_batch_id}/cancel",
+              message_batches.cancel_message_batch, methods=["POST"]),
+        Route("/v1/messages/batches/{message_batch_id}/results",
+              message_batches.message_batch_results, methods=["GET"]),
         Route("/v1/files", files.upload_file, methods=["POST"]),
         Route("/v1/files", files.list_files, methods=["GET"]),
         Route("/v1/files/{file_id}", files.get_file, methods=["GET"]),

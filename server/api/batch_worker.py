@@ -17,6 +17,7 @@ import time
 import uuid
 from typing import Any
 
+from server.api.anthropic_messages import messages_answer
 from server.api.body import loads
 from server.api.chat import chat_answer
 from server.api.completions import completion_answer
@@ -26,6 +27,7 @@ from server.api.responses import responses_answer
 from server.api.state import ServerState
 from server.api.usage import today
 from server.engine.sequence import PRIORITY_BATCH
+from storage.batches import MESSAGES
 
 log = logging.getLogger("localserve")
 
@@ -216,12 +218,12 @@ class BatchWorker:
                 status, body = 200, await answer(state, json.loads(body_json), batch["tenant"],
                                                  PRIORITY_BATCH)
             except APIError as e:
-                status, body = e.status, e.body()
+                status, body = e.status, _error_body(batch, e)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - one failing line must not stop the batch
                 log.exception("batch line %s/%s failed", batch["id"], custom_id)
-                status, body = 500, APIError(500, f"{type(e).__name__}: {e}").body()
+                status, body = 500, _error_body(batch, APIError(500, f"{type(e).__name__}: {e}"))
             usage_row = {"day": today(), "tenant": batch["tenant"], "kind": "batch",
                          "model": state.served_name}
             await state.db.run(self.store.record, batch["id"], custom_id, request_id, status,
@@ -243,9 +245,15 @@ class BatchWorker:
 
 
 # What a line of each endpoint gets: the body a plain request would (raises APIError as the
-# endpoint would answer).
+# endpoint would answer). /v1/messages: Anthropic's Message Batches (message_batches.py).
 ANSWERS = {"/v1/chat/completions": chat_answer, "/v1/completions": completion_answer,
-           "/v1/embeddings": embeddings_answer, "/v1/responses": responses_answer}
+           "/v1/embeddings": embeddings_answer, "/v1/responses": responses_answer,
+           MESSAGES: messages_answer}
+
+
+def _error_body(batch: dict[str, Any], error: APIError) -> dict[str, Any]:
+    """A failed line's answer, in its API's error shape."""
+    return error.anthropic_body() if batch["endpoint"] == MESSAGES else error.body()
 
 
 def _error(code: str, param: str | None, message: str) -> dict[str, Any]:

@@ -14,9 +14,9 @@ from server.api.errors import APIError, invalid, unsupported
 from server.api.files import expires_after, int_param, owned_row, page
 from server.api.protocol import Fields
 from server.api.state import ServerState
-from storage.batches import batch_object
+from storage.batches import MESSAGES, batch_object
 
-ENDPOINTS = tuple(ANSWERS)
+ENDPOINTS = tuple(e for e in ANSWERS if e != MESSAGES)  # Anthropic's: message_batches.py
 OPENAI_ONLY_ENDPOINTS = ("/v1/moderations",)
 
 
@@ -62,8 +62,8 @@ async def list_batches(request: Request) -> Response:
     state: ServerState = request.app.state.server
     q = request.query_params
     limit = int_param(q.get("limit"), "limit", 20, 1, 100)
-    rows, has_more = await state.db.run(state.batches.list, tenant(request), q.get("after"),
-                                        limit)
+    rows, has_more = await state.db.run(state.batches.list, tenant(request), limit,
+                                        q.get("after"))
     return JSONResponse(page([await _object(state, r) for r in rows], has_more))
 
 
