@@ -1,5 +1,5 @@
 """Anthropic's Message Batches through the official anthropic SDK against real server processes
-(the tiny model): results equal to plain messages, errored requests, list pages, cancel,
+(the tiny model): results equal to plain messages, errored requests, list pages, cancel, expiry,
 delete, the OpenAI batches kept apart, and kill -9 mid-batch."""
 
 from __future__ import annotations
@@ -205,3 +205,36 @@ def test_kill_9_mid_batch_then_restart_gives_every_result_once(tiny_home, tmp_pa
         assert sum(r["completion_tokens"] for r in rows) == sum(u.output_tokens for u in usage)
     finally:
         second.stop()
+
+
+def test_expiry_keeps_finished_results_and_expires_the_rest(tiny_home, tmp_path):
+    """The 4 short requests run first (4 at a time, in order); once they are done the batch's
+    deadline is moved into the past in the server's own database, as time would move it: the
+    long answers, running or waiting, are `expired`."""
+    import sqlite3
+
+    server = ServerProcess(home_with_models(tiny_home, tmp_path / "home"),
+                           [MODEL, "--batch-window", "3600", "--batch-max-running", "4"],
+                           tmp_path / "server.log").start()
+    try:
+        client = anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0)
+        requests = [{"custom_id": f"r-{i}", "params": params(i, max_tokens=3) if i < 4 else
+                     params(i, max_tokens=3000, output_config=LONG)} for i in range(12)]
+        b = client.messages.batches.create(requests=requests)
+        assert (b.expires_at - b.created_at).total_seconds() == 3600  # --batch-window
+        deadline = time.monotonic() + 60
+        while client.messages.batches.retrieve(b.id).request_counts.succeeded < 4:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        db = sqlite3.connect(server.home / "localserve.db", timeout=30)
+        with db:
+            db.execute("update batches set expires_at = ? where id = ?",
+                       (int(time.time()) - 1, b.id))
+        db.close()
+        b = wait_ended(client, b.id, timeout=60)
+        assert b.request_counts.to_dict() == {"canceled": 0, "errored": 0, "expired": 8,
+                                              "processing": 0, "succeeded": 4}
+        results = {x.custom_id: x.result.type for x in client.messages.batches.results(b.id)}
+        assert results == {f"r-{i}": "succeeded" if i < 4 else "expired" for i in range(12)}
+    finally:
+        server.stop()
