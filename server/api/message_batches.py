@@ -21,10 +21,11 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from server.api.anthropic_protocol import UNKNOWN, rfc3339
 from server.api.auth import tenant
-from server.api.body import read_json
+from server.api.body import parse_json, read_body
 from server.api.errors import APIError, invalid
 from server.api.files import int_param, owned_row
 from server.api.protocol import Fields
+from server.api.serving import off_loop
 from server.api.state import ServerState
 from storage.batches import ENDED, MESSAGES
 
@@ -37,14 +38,27 @@ COUNTS = {"pending": "processing", "done": "succeeded", "failed": "errored",
 
 async def create_message_batch(request: Request) -> Response:
     state: ServerState = request.app.state.server
-    f = Fields(await read_json(request, state.settings.max_body_bytes))
+    raw = await read_body(request, state.settings.max_body_bytes)
+    # up to 50,000 requests: parsed and checked off the event loop
+    lines = await off_loop(_lines, raw, state.settings.max_batch_lines)
+    fields = {"endpoint": MESSAGES, "completion_window": "24h", "model": state.served_name}
+    row = await state.db.run(state.batches.create, tenant(request), fields,
+                             state.settings.batch_window_seconds,
+                             request.headers.get("idempotency-key"), lines)
+    state.wake_batches()
+    return JSONResponse(await _object(request, row))
+
+
+def _lines(raw: bytes, max_lines: int) -> list[tuple[int, str, str]]:
+    """The create body's requests as batch lines [(number, custom_id, params as JSON)]; a 400
+    naming the first that is not {custom_id, params}."""
+    f = Fields(parse_json(raw))
     requests = f.raw("requests")
     f.check_unknown(UNKNOWN)
     if not isinstance(requests, list) or not requests:
         raise invalid("requests", "requests: expected a non-empty list of {custom_id, params}.")
-    if len(requests) > state.settings.max_batch_lines:
-        raise invalid("requests", f"requests: at most {state.settings.max_batch_lines} requests "
-                      "a batch.")
+    if len(requests) > max_lines:
+        raise invalid("requests", f"requests: at most {max_lines} requests a batch.")
     lines: list[tuple[int, str, str]] = []
     seen: set[str] = set()
     for i, item in enumerate(requests):
@@ -66,12 +80,7 @@ async def create_message_batch(request: Request) -> Response:
         if not isinstance(params, dict):
             raise invalid(f"{where}.params", f"{where}.params: expected an object.")
         lines.append((i + 1, custom_id, json.dumps(params, ensure_ascii=False)))
-    fields = {"endpoint": MESSAGES, "completion_window": "24h", "model": state.served_name}
-    row = await state.db.run(state.batches.create, tenant(request), fields,
-                             state.settings.batch_window_seconds,
-                             request.headers.get("idempotency-key"), lines)
-    state.wake_batches()
-    return JSONResponse(await _object(request, row))
+    return lines
 
 
 async def get_message_batch(request: Request) -> Response:
