@@ -1,7 +1,8 @@
 """The dashboard at `/` in a real headless Chromium (Debian's, driven by Playwright through
 executable_path; .ci/run installs it): the page asks for the key, shows the model and live
 state, streams a chat, stops one (the server's running count returns to 0), shows a batch's
-progress moving and cancels one; `chromium --dump-dom` of the page holds the state."""
+progress moving and cancels one, of either API; `chromium --dump-dom` of the page holds the
+state."""
 
 from __future__ import annotations
 
@@ -169,6 +170,45 @@ def test_a_running_batch_moves_and_can_be_cancelled(browser, open_server):
         status = httpx.get(f"{open_server.url}/v1/batches/{other}").json()["status"]
         assert status in ("cancelling", "cancelled")
         page.wait_text(f"#batches tr[data-id='{other}'] td:nth-child(2)", "cancelled")
+        assert page.errors == []
+    finally:
+        page.close()
+
+
+def submit_messages(server, num_requests: int, chars: int) -> str:
+    """An Anthropic Message Batch whose answers are a JSON string of `chars` to `chars` + 50
+    characters (the grammar holds them that long, ended well within max_tokens)."""
+    schema = {"type": "object", "required": ["text"], "properties": {
+        "text": {"type": "string", "minLength": chars, "maxLength": chars + 50}}}
+    requests = [{"custom_id": f"m-{i}", "params": {
+        "model": MODEL, "max_tokens": chars + 200, "temperature": 0,
+        "messages": [{"role": "user", "content": f"Q {i}"}],
+        "output_config": {"format": {"type": "json_schema", "schema": schema}}}}
+        for i in range(num_requests)]
+    return httpx.post(f"{server.url}/v1/messages/batches", json={"requests": requests},
+                      timeout=30).json()["id"]
+
+
+def test_a_message_batch_shows_beside_openai_s_and_can_be_cancelled(browser, open_server):
+    page = Page(browser, open_server.url)
+    try:
+        page.wait_text("#model", MODEL)
+        batch_id = submit_messages(open_server, 3, 100)
+        row = f"#batches tr[data-id='{batch_id}']"
+        page.page.wait_for_selector(row)
+        page.wait_text(f"{row} td:nth-child(2)", "ended", timeout=120_000)
+        page.wait_text(f"{row} .progress", "3 done, 0 failed of 3")
+
+        other = submit_messages(open_server, 6, 2000)  # one at a time: ~2,000 tokens each
+        row = f"#batches tr[data-id='{other}']"
+        page.page.wait_for_selector(f"{row} button.cancel")
+        page.page.click(f"{row} button.cancel")
+        page.wait_text(f"{row} td:nth-child(2)", "ended", timeout=60_000)
+        counts = httpx.get(f"{open_server.url}/v1/messages/batches/{other}").json()[
+            "request_counts"]
+        assert counts["canceled"] > 0 and counts["processing"] == 0
+        failed = counts["errored"] + counts["canceled"] + counts["expired"]
+        page.wait_text(f"{row} .progress", f"{counts['succeeded']} done, {failed} failed of 6")
         assert page.errors == []
     finally:
         page.close()

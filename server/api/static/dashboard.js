@@ -1,5 +1,6 @@
-// The localserve dashboard: polls /v1/dashboard/state, /v1/batches and /v1/usage, and runs
-// a streamed chat against /v1/chat/completions. Plain browser JavaScript, no dependencies.
+// The localserve dashboard: polls /v1/dashboard/state, /v1/batches and Anthropic's
+// /v1/messages/batches, and /v1/usage, and runs a streamed chat against /v1/chat/completions.
+// Plain browser JavaScript, no dependencies.
 "use strict";
 
 const POLL_MS = 1000;
@@ -88,14 +89,33 @@ function renderChart(samples) {
   }
 }
 
-function renderBatches(list) {
+// Both APIs' batches in one shape: OpenAI's /v1/batches and Anthropic's Message Batches.
+function fromOpenAI(b) {
+  const c = b.request_counts;
+  return { id: b.id, status: b.status, created: b.created_at, started: b.in_progress_at,
+           done: c.completed, failed: c.failed, total: c.total,
+           running: b.status === "in_progress",
+           cancel: (b.status === "validating" || b.status === "in_progress")
+             ? `/v1/batches/${encodeURIComponent(b.id)}/cancel` : null };
+}
+
+function fromMessages(b) {
+  const c = b.request_counts;
+  const created = Date.parse(b.created_at) / 1000;
+  const running = b.processing_status === "in_progress";
+  return { id: b.id, status: b.processing_status, created, started: created,
+           done: c.succeeded, failed: c.errored + c.canceled + c.expired,
+           total: c.processing + c.succeeded + c.errored + c.canceled + c.expired, running,
+           cancel: running ? `/v1/messages/batches/${encodeURIComponent(b.id)}/cancel` : null };
+}
+
+function renderBatches(batches) {
   const body = $("batches").querySelector("tbody");
   body.replaceChildren();
-  $("no-batches").hidden = list.data.length > 0;
+  $("no-batches").hidden = batches.length > 0;
   const now = Date.now() / 1000;
-  for (const b of list.data) {
-    const c = b.request_counts;
-    const done = c.completed + c.failed;
+  for (const b of batches) {
+    const finished = b.done + b.failed;
     const row = body.insertRow();
     row.dataset.id = b.id;
     row.insertCell().textContent = b.id;
@@ -105,32 +125,31 @@ function renderBatches(list) {
     bar.className = "bar";
     const fill = document.createElement("div");
     fill.className = "fill";
-    fill.style.width = `${c.total ? (100 * done) / c.total : 0}%`;
+    fill.style.width = `${b.total ? (100 * finished) / b.total : 0}%`;
     bar.appendChild(fill);
     const label = document.createElement("span");
     label.className = "progress";
-    label.textContent = `${c.completed} done, ${c.failed} failed of ${c.total}`;
+    label.textContent = `${b.done} done, ${b.failed} failed of ${b.total}`;
     cell.append(bar, label);
     let eta = "–";
-    if (b.status === "in_progress" && done > 0 && b.in_progress_at) {
-      eta = duration(((now - b.in_progress_at) / done) * (c.total - done));
+    if (b.running && finished > 0 && b.started) {
+      eta = duration(((now - b.started) / finished) * (b.total - finished));
     }
     row.insertCell().textContent = eta;
     const action = row.insertCell();
-    if (b.status === "validating" || b.status === "in_progress") {
+    if (b.cancel) {
       const button = document.createElement("button");
       button.className = "cancel";
       button.textContent = "Cancel";
-      button.onclick = () => cancelBatch(b.id, button);
+      button.onclick = () => cancelBatch(b.cancel, button);
       action.appendChild(button);
     }
   }
 }
 
-async function cancelBatch(id, button) {
+async function cancelBatch(url, button) {
   button.disabled = true;
-  const r = await fetch(`/v1/batches/${encodeURIComponent(id)}/cancel`,
-                        { method: "POST", headers: headers() });
+  const r = await fetch(url, { method: "POST", headers: headers() });
   if (!r.ok) button.disabled = false;
   poll();
 }
@@ -166,7 +185,12 @@ async function poll() {
   try {
     const state = await getJSON("/v1/dashboard/state");
     renderState(state);
-    if (state.status === "ok") renderBatches(await getJSON("/v1/batches?limit=20"));
+    if (state.status === "ok") {
+      const [openai, messages] = await Promise.all([
+        getJSON("/v1/batches?limit=20"), getJSON("/v1/messages/batches?limit=20")]);
+      renderBatches([...openai.data.map(fromOpenAI), ...messages.data.map(fromMessages)]
+        .sort((a, b) => b.created - a.created).slice(0, 20));
+    }
     if (polls++ % USAGE_EVERY === 0) renderUsage(await getJSON("/v1/usage"));
   } catch (e) {
     if (e.message === "unauthorized") {
