@@ -133,6 +133,13 @@ def open_server(tiny_home, tmp_path_factory):
     proc.stop()
 
 
+def batch_row(page: Page, batch_id: str) -> str:
+    """The selector of the batches table's row of `batch_id`, once the page shows it."""
+    row = f"#batches tr[data-id='{batch_id}']"
+    page.page.wait_for_selector(row)
+    return row
+
+
 def submit(server, num_lines: int, max_tokens: int) -> str:
     lines = [{"custom_id": f"d-{i}", "method": "POST", "url": "/v1/chat/completions",
               "body": {"model": MODEL, "messages": [{"role": "user", "content": f"Q {i}"}],
@@ -149,9 +156,7 @@ def test_a_running_batch_moves_and_can_be_cancelled(browser, open_server):
     page = Page(browser, open_server.url)
     try:
         page.wait_text("#model", MODEL)
-        batch_id = submit(open_server, 6, 400)
-        row = f"#batches tr[data-id='{batch_id}']"
-        page.page.wait_for_selector(row)
+        row = batch_row(page, submit(open_server, 6, 400))
         seen = []
         deadline = time.monotonic() + 120
         while "completed" not in page.text(f"{row} td:nth-child(2)"):
@@ -193,14 +198,12 @@ def test_a_message_batch_shows_beside_openai_s_and_can_be_cancelled(browser, ope
     page = Page(browser, open_server.url)
     try:
         page.wait_text("#model", MODEL)
-        batch_id = submit_messages(open_server, 3, 100)
-        row = f"#batches tr[data-id='{batch_id}']"
-        page.page.wait_for_selector(row)
+        row = batch_row(page, submit_messages(open_server, 3, 100))
         page.wait_text(f"{row} td:nth-child(2)", "ended", timeout=120_000)
         page.wait_text(f"{row} .progress", "3 done, 0 failed of 3")
 
         other = submit_messages(open_server, 6, 2000)  # one at a time: ~2,000 tokens each
-        row = f"#batches tr[data-id='{other}']"
+        row = batch_row(page, other)
         page.page.wait_for_selector(f"{row} button.cancel")
         page.page.click(f"{row} button.cancel")
         page.wait_text(f"{row} td:nth-child(2)", "ended", timeout=60_000)
