@@ -36,6 +36,7 @@ from server.api.errors import (
     http_error_handler,
     unexpected_error_handler,
 )
+from server.api.files import page
 from server.api.state import ServerSettings, ServerState
 from server.api.usage import get_usage
 
@@ -73,10 +74,8 @@ def _model_object(state: ServerState) -> dict:
 
 async def list_models(request: Request) -> Response:
     state: ServerState = request.app.state.server
-    model = _model_object(state)
-    # has_more / first_id / last_id: Anthropic's page (one model, one page)
-    return JSONResponse({"object": "list", "data": [model], "has_more": False,
-                         "first_id": model["id"], "last_id": model["id"]})
+    # the cursor page (has_more, first_id, last_id) that Anthropic's SDK reads: one model
+    return JSONResponse(page([_model_object(state)], has_more=False))
 
 
 async def get_model(request: Request) -> Response:

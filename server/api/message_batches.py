@@ -23,7 +23,7 @@ from server.api.anthropic_protocol import UNKNOWN, rfc3339
 from server.api.auth import tenant
 from server.api.body import parse_json, read_body
 from server.api.errors import APIError, invalid
-from server.api.files import int_param, owned_row
+from server.api.files import int_param, owned_row, page
 from server.api.protocol import Fields
 from server.api.serving import off_loop
 from server.api.state import ServerState
@@ -94,10 +94,8 @@ async def list_message_batches(request: Request) -> Response:
     rows, has_more = await state.db.run(partial(
         state.batches.list, tenant(request), limit, q.get("after_id"), q.get("before_id"),
         messages=True))
-    data = [await _object(request, r) for r in rows]
-    return JSONResponse({"data": data, "has_more": has_more,
-                         "first_id": data[0]["id"] if data else None,
-                         "last_id": data[-1]["id"] if data else None})
+    # the cursor page of /v1/batches: Anthropic's fields and an `object` the SDK ignores
+    return JSONResponse(page([await _object(request, r) for r in rows], has_more))
 
 
 async def cancel_message_batch(request: Request) -> Response:
@@ -163,7 +161,6 @@ async def _object(request: Request, row: dict[str, Any]) -> dict[str, Any]:
     counts = await state.db.run(state.batches.line_counts, row["id"])
     status = row["status"]
     ended = status in ENDED
-    url = request.url_for("message_batch_results", message_batch_id=row["id"])
     return {
         "id": row["id"], "type": "message_batch",
         "processing_status": "ended" if ended else
@@ -172,5 +169,6 @@ async def _object(request: Request, row: dict[str, Any]) -> dict[str, Any]:
         "created_at": rfc3339(row["created_at"]), "expires_at": rfc3339(row["expires_at"]),
         "ended_at": rfc3339(row[f"{status}_at"] if ended else None),
         "cancel_initiated_at": rfc3339(row["cancelling_at"]), "archived_at": None,
-        "results_url": str(url) if ended else None,
+        "results_url": str(request.url_for("message_batch_results", message_batch_id=row["id"]))
+        if ended else None,
     }

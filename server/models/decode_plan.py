@@ -100,7 +100,7 @@ class DecodePlan:
         """Whether this step is one the plan runs: decodes only, every row's output wanted, in
         step order, on the CPU, in a dtype the kernels take, with caches layer_ops reads."""
         meta, rows = batch.attention, batch.rows
-        if rows is not None and rows.prompt is not None or batch.outputs is not None:
+        if (rows is not None and rows.prompt is not None) or batch.outputs is not None:
             return False
         if len(meta.groups) != 1 or not meta.groups[0].whole_step:
             return False
