@@ -99,7 +99,9 @@ class Int4Linear(nn.Module):
         if self.kernel_weight is not None or self.q4x32 is not None:
             return  # already converted (the source buffers are gone)
         device = self.weight.device
-        if not use_kernel or device.type not in ("cpu", "cuda"):
+        tiles = cuda_inner_k_tiles(self.out_features, self.in_features, self.group_size)
+        if not use_kernel or device.type not in ("cpu", "cuda") or (
+                device.type == "cuda" and tiles is None):
             self.kernel_weight = self.scales_and_zeros = None
             return
         q = unpack_int4(self.weight)
@@ -117,7 +119,7 @@ class Int4Linear(nn.Module):
                                                                 self.group_size),
                 self.in_features)
         else:
-            packed = torch.ops.aten._convert_weight_to_int4pack(pack_int4_kernel(q), 8)
+            packed = torch.ops.aten._convert_weight_to_int4pack(pack_int4_kernel(q), tiles)
         self.kernel_weight = packed
         self.scales_and_zeros = torch.stack(
             (self.weight_scale.t(), self.weight_zero.t()), dim=-1
@@ -257,6 +259,16 @@ def checked_unpack():
 
 def _unpack_blocks(fn, block: int, *args: int) -> int:
     return fn(*args, block)
+
+
+def cuda_inner_k_tiles(n: int, k: int, group_size: int) -> int | None:
+    """How many 16-wide K tiles CUDA tinygemm packs in a word for an [n, k] weight, or None for a
+    shape it cannot take (such a layer dequantizes its weight each call instead). The kernel wants
+    K a multiple of 16 x tiles (8, 4 or 2): smollm2-135m's hidden size 576 takes 4, not the 8 its
+    MLP's 1536 takes. N is padded to tiles of 8 that its scales must match."""
+    if n % 8 or group_size not in SUPPORTED_GROUP_SIZES:
+        return None
+    return next((t for t in (8, 4, 2) if k % (16 * t) == 0), None)
 
 
 def pack_int4_kernel(q: torch.Tensor) -> torch.Tensor:

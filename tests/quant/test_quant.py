@@ -12,6 +12,7 @@ import torch
 from server.quant import apply_quantization, quantize_state_dict
 from server.quant.int4 import (
     Int4Linear,
+    cuda_inner_k_tiles,
     dequantize_int4,
     pack_int4,
     quantize_int4,
@@ -53,6 +54,17 @@ def test_int4_exact_on_representable_values():
 def test_int4_rejects_bad_group():
     with pytest.raises(ValueError, match="multiple of group size"):
         quantize_int4(torch.randn(4, 48), 32)
+
+
+def test_cuda_int4_kernel_takes_the_shapes_it_can():
+    """Which weights CUDA's tinygemm takes (K tiles packed to a word); the rest dequantize per
+    call. Checked here without a GPU: a wrong count fails there only at load."""
+    assert cuda_inner_k_tiles(1536, 576, 32) == 4  # smollm2-135m's q/gate/up projections
+    assert cuda_inner_k_tiles(576, 1536, 32) == 8  # its down projection
+    assert cuda_inner_k_tiles(8, 96, 32) == 2
+    assert cuda_inner_k_tiles(12, 576, 32) is None  # N not whole tiles of 8
+    assert cuda_inner_k_tiles(8, 40, 32) is None
+    assert cuda_inner_k_tiles(8, 576, 16) is None  # a group size the kernel has no code for
 
 
 def test_int8_round_trip_bound():
