@@ -62,7 +62,7 @@ def scored_logits(model, ids: list[int], context: int = 1024, kv_dtype=None) -> 
         # [W, V]; logits[i] predicts window[i + 1]
         logits = prompt_logits(model, window, kv_dtype=kv_dtype)
         first_new = scored_upto - start - 1  # the first position not scored yet
-        yield logits[first_new:-1], torch.tensor(window[first_new + 1:])
+        yield logits[first_new:-1], torch.tensor(window[first_new + 1:], device=logits.device)
         scored_upto = start + len(window)
         if scored_upto >= len(ids):
             break
@@ -96,7 +96,7 @@ def compare(model, reference, tokenizer, text: str, context: int = 1024,
     for (logits, targets), (ref_logits, _) in zip(scored_logits(model, ids, context, kv_dtype),
                                                   scored_logits(reference, ids, context),
                                                   strict=True):
-        logp, ref_logp = logits.log_softmax(-1), ref_logits.log_softmax(-1)
+        logp, ref_logp = logits.log_softmax(-1), ref_logits.to(logits.device).log_softmax(-1)
         nats += float(F.nll_loss(logp, targets, reduction="sum"))
         ref_nats += float(F.nll_loss(ref_logp, targets, reduction="sum"))
         klds.append((ref_logp.exp() * (ref_logp - logp)).sum(-1).clamp(min=0))
@@ -114,13 +114,13 @@ def run(args: argparse.Namespace) -> int:
     from server.models.tokenizer import load_tokenizer
     from storage.models import ModelStore
 
+    device = pick_device(args.device)  # checked before anything loads
     store = ModelStore()
     stored = store.resolve(args.name)
     ref = store.resolve(args.reference) if args.reference else None
     text = args.text.read_text() if args.text else default_text()
     if args.context < 2:
         raise ValueError(f"--context must be at least 2 tokens, got {args.context}")
-    device = pick_device(args.device)
     dtype = pick_dtype(device, args.dtype)
     kv = DTYPES[args.kv_cache_dtype] if args.kv_cache_dtype else pick_kv_dtype(device, dtype)
     tokenizer = load_tokenizer(stored)

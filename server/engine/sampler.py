@@ -59,12 +59,13 @@ class Sampler:
         token_ids = logits.argmax(dim=-1)  # [N]
         random_rows = [i for i, t in enumerate(temps) if t > 0]
         if random_rows:
-            rows = torch.tensor(random_rows)
-            sub = logits[rows] / torch.tensor([temps[i] for i in random_rows])[:, None]
+            rows = torch.tensor(random_rows, device=logits.device)
+            sub = logits[rows] / torch.tensor([temps[i] for i in random_rows],
+                                              device=logits.device)[:, None]
             sub = self._truncate(sub, [seqs[i] for i in random_rows])
             probs = torch.softmax(sub, dim=-1)
             cdf = self._cdf(probs)
-            draws = torch.cat([self._uniform(seqs[i], cdf.device) for i in random_rows])
+            draws = torch.cat([self._uniform(seqs[i]) for i in random_rows]).to(cdf.device)
             picked = torch.searchsorted(cdf, (draws * cdf[:, -1])[:, None], right=True)[:, 0]
             picked.clamp_(max=cdf.shape[1] - 1)
             # A draw that rounds to the very top can land past the last token with any mass:
@@ -102,16 +103,18 @@ class Sampler:
                                                  device=probs.device)
         return torch.cumsum(probs, dim=-1, dtype=torch.float64, out=buf[:n])
 
-    def _uniform(self, seq: Sequence, device) -> torch.Tensor:
-        """One draw in [0, 1) (fp64, [1]) from the row's own generator if it has a seed."""
+    def _uniform(self, seq: Sequence) -> torch.Tensor:
+        """One draw in [0, 1) (fp64, [1]) from the row's own generator if it has a seed. Drawn
+        on the CPU whatever the device: a seed gives the same draws on a GPU (one copy a step,
+        not a launch a row)."""
         seed = seq.params.seed
         if seed is None:
-            return torch.rand(1, dtype=torch.float64, device=device)
+            return torch.rand(1, dtype=torch.float64)
         gen = self.generators.get(seq.seq_id)
         if gen is None:
-            gen = self.generators[seq.seq_id] = torch.Generator(device=device)
+            gen = self.generators[seq.seq_id] = torch.Generator()
             gen.manual_seed(seed)
-        return torch.rand(1, dtype=torch.float64, device=device, generator=gen)
+        return torch.rand(1, dtype=torch.float64, generator=gen)
 
     @staticmethod
     def _apply_bias_and_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
@@ -164,7 +167,8 @@ class Sampler:
             logits = logits.masked_fill(drop, float("-inf"))
         if any(p > 0.0 for p in min_p):
             probs = logits.softmax(dim=-1)
-            floor = probs.amax(dim=-1, keepdim=True) * torch.tensor(min_p)[:, None]
+            floor = probs.amax(dim=-1, keepdim=True) * torch.tensor(min_p,
+                                                                    device=logits.device)[:, None]
             logits = logits.masked_fill(probs < floor, float("-inf"))
         return logits
 

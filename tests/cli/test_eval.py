@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from cli.main import main
+from server.models.device import pick_device
 from server.models.loader import load_model
 from server.models.simple import prompt_logits
 from server.models.tokenizer import load_tokenizer
@@ -51,7 +52,8 @@ def eval_json(home, monkeypatch, capsys, *args) -> dict:
 @pytest.mark.parametrize("pool", ["fp32", "bf16"])
 def test_reference_numbers_match_a_direct_computation(home, text, monkeypatch, capsys, pool):
     # Options after and between positionals; one window (~250 tokens; --context is cut to the
-    # model's 512). The model's KV cache in `pool`, the reference's in fp32.
+    # model's 512). The model's KV cache in `pool`, the reference's in fp32. Computed directly
+    # on the device eval picks (a GPU where there is one).
     got = eval_json(home, monkeypatch, capsys, "tiny:int4", "--text", str(text),
                     "--reference", "tiny:bf16", "--context", "1024", "--kv-cache-dtype", pool)
     assert {"bits_per_byte", "kld_mean", "kld_p99", "top1_agreement"} <= set(got)
@@ -60,7 +62,7 @@ def test_reference_numbers_match_a_direct_computation(home, text, monkeypatch, c
     tok = load_tokenizer(store.resolve("tiny:bf16"))
     ids = tok.encode(TEXT, add_special_tokens=False)
     pools = {"int4": {"fp32": torch.float32, "bf16": torch.bfloat16}[pool], "bf16": None}
-    logp = {tag: prompt_logits(load_model(store.resolve(f"tiny:{tag}"), torch.device("cpu"),
+    logp = {tag: prompt_logits(load_model(store.resolve(f"tiny:{tag}"), pick_device(),
                                           torch.float32).model, ids, kv_dtype=pools[tag]
                                )[:-1].log_softmax(-1)
             for tag in ("int4", "bf16")}

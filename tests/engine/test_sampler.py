@@ -123,7 +123,7 @@ def test_a_draw_at_the_very_top_never_hands_out_a_masked_token(monkeypatch):
     the sampler then keeps to tokens of nonzero probability (here top-k masks the last ones)."""
     sampler = Sampler(5)
     monkeypatch.setattr(sampler, "_uniform",
-                        lambda seq, device: torch.ones(1, dtype=torch.float64, device=device))
+                        lambda seq: torch.ones(1, dtype=torch.float64))
     logits = torch.tensor([[0.0, 3.0, 2.0, 1.0, -1.0]])
     for k in (2, 3, 4):
         got = sampler(logits.clone(), seqs(SamplingParams(temperature=1.0, top_k=k)))
