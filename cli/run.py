@@ -25,11 +25,13 @@ def run(args: argparse.Namespace) -> int:
     from server.engine.async_engine import load_engine
     from server.engine.engine import EngineConfig
     from server.engine.sequence import SamplingParams
+    from server.models.device import pick_device
     from server.models.tokenizer import chat_prompt_ids
     from storage.models import ModelStore
 
     if args.max_tokens < 1:
         raise ValueError("--max-tokens must be at least 1")
+    pick_device(args.device)  # checked before anything loads
     stored = ModelStore().resolve(args.name)
     kv_bytes = args.kv_cache_mb << 20 if args.kv_cache_mb else None
     engine = load_engine(stored, EngineConfig(max_num_seqs=4, kv_cache_bytes=kv_bytes),

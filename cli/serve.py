@@ -112,10 +112,11 @@ def run(args: argparse.Namespace) -> int:
     from server.api.state import ServerSettings, ServerState
     from server.api.usage import Prices
     from server.engine.engine import ConfigError, EngineConfig
-    from server.models.device import DTYPES
+    from server.models.device import DTYPES, pick_device
 
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be 0..65535, got {args.port}")
+    pick_device(args.device)  # a device that cannot serve fails here, not after the bind
     _log_to_stderr(args.log_level)
     from server.engine.engine import limit_malloc_arenas
 

@@ -8,9 +8,25 @@ import torch
 
 
 def pick_device(name: str | None = None) -> torch.device:
-    if name:
-        return torch.device(name)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """The device asked for, checked here (a ValueError naming --device: the CLI's one-line
+    error, not PyTorch's failure halfway through loading), or CUDA when PyTorch sees a GPU."""
+    if not name:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"--device must be cpu, cuda or cuda:N, got {name!r}") from None
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise ValueError(f"--device must be cpu, cuda or cuda:N, got {name!r}")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if not count:
+        raise ValueError(f"--device {name}: PyTorch sees no CUDA device here")
+    if (device.index or 0) >= count:
+        raise ValueError(f"--device {name}: PyTorch sees {count} CUDA device(s), "
+                         f"cuda:0 to cuda:{count - 1}")
+    return device
 
 
 @functools.cache

@@ -42,3 +42,23 @@ def test_port_in_use(tiny_home, monkeypatch, capsys):
         port = taken.getsockname()[1]
         assert main(["serve", "tiny", "--port", str(port)]) == 1
     assert "Address already in use" in one_line_error(capsys)
+
+
+def absent_cuda_device() -> str:
+    """A CUDA device this machine does not have: any on a machine without one."""
+    import torch
+
+    return f"cuda:{torch.cuda.device_count() if torch.cuda.is_available() else 0}"
+
+
+@pytest.mark.parametrize("command", [["serve", "nosuch"], ["run", "nosuch", "hi"],
+                                     ["eval", "nosuch", "--text", "x"]], ids=lambda c: c[0])
+def test_a_device_that_cannot_serve_is_refused_first(empty_home, capsys, command):
+    """Checked before the model is looked up (and before serve binds its port): not PyTorch's
+    traceback halfway through loading, nor a server whose load failed."""
+    for device, says in (("tpu", "must be cpu, cuda or cuda:N, got 'tpu'"),
+                         ("cuda:x", "must be cpu, cuda or cuda:N"),
+                         (absent_cuda_device(), "PyTorch sees")):
+        assert main([*command, "--device", device]) == 1
+        err = one_line_error(capsys)
+        assert "--device" in err and says in err
