@@ -122,18 +122,25 @@ def load_into(state: ServerState) -> None:
     state.attach(engine, stored.name, stored.manifest)
 
 
-def kv_summary(stats: dict, config) -> str:
-    """What the KV pool may hold, said once at start (the README explains the defaults)."""
+def kv_summary(stats: dict, config, device) -> str:
+    """What the KV pool may hold, said once at start (the README explains the defaults). On a
+    CPU its pages become resident as they are written and idle ones go back to the OS; on a GPU
+    the pool is allocated whole at start and kept."""
+    import torch
+
     total = stats["kv_blocks_total"]
     block_tokens = config.block_size
     mb = total * stats["kv_block_bytes"] >> 20
-    idle = (f"after {config.idle_release_seconds:g} s idle it keeps "
-            f"{config.idle_cache_bytes >> 20} MB" if config.idle_release_seconds else
-            "no idle release")
+    if torch.device(device).type != "cpu":
+        held, idle = f"allocated on {device}", "kept while the server runs"
+    else:
+        held = "resident only as used"
+        idle = (f"after {config.idle_release_seconds:g} s idle it keeps "
+                f"{config.idle_cache_bytes >> 20} MB" if config.idle_release_seconds else
+                "no idle release")
     return (f"KV cache: up to {total * block_tokens} tokens ({mb} MB, {stats['kv_dtype']}), "
-            "resident only as used; "
-            f"the prefix cache keeps up to {config.prefix_cache_bytes >> 20} MB beyond running "
-            f"requests; {idle}")
+            f"{held}; the prefix cache keeps up to {config.prefix_cache_bytes >> 20} MB beyond "
+            f"running requests; {idle}")
 
 
 def create_app(settings: ServerSettings, state: ServerState | None = None) -> Starlette:
@@ -146,7 +153,7 @@ def create_app(settings: ServerSettings, state: ServerState | None = None) -> St
                 if state.engine is None:
                     await asyncio.to_thread(load_into, state)
                 log.info("model %s ready; %s", state.served_name,
-                         kv_summary(state.engine.stats(), settings.engine))
+                         kv_summary(state.engine.stats(), settings.engine, state.engine.device))
             except Exception as e:  # noqa: BLE001 - reported by /health and every request
                 state.load_error = f"{type(e).__name__}: {e}"
                 log.error("loading %s failed: %s", settings.model, state.load_error)

@@ -154,6 +154,10 @@ class AsyncEngine:
         return self.engine.max_model_len
 
     @property
+    def device(self):
+        return self.engine.runner.device
+
+    @property
     def max_request_tokens(self) -> int:
         return self.engine.max_request_tokens
 

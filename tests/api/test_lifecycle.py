@@ -135,11 +135,12 @@ def test_kv_cache_dtype_bf16_doubles_the_pool_and_serves(tiny_home, tmp_path):
 
 
 def test_idle_server_hands_kv_memory_back_and_says_what_the_pool_holds(tiny_home, tmp_path):
+    # On the CPU (a GPU's pool is allocated whole and kept, and its start line says so).
     # 8 MB of fp32 KV for the tiny model: 16 KB a block (2 layers, K and V, 16 slots, 2 heads
     # of 32), 512 blocks, 8,192 tokens; the need (64 sequences at 512 tokens) is larger.
     proc = own_server(tiny_home, tmp_path, [MODEL, "--kv-cache-mb", "8", "--kv-cache-dtype",
                                             "fp32", "--idle-release-seconds", "1",
-                                            "--idle-cache-mb", "0"])
+                                            "--idle-cache-mb", "0", "--device", "cpu"])
     try:
         deadline = time.monotonic() + 30  # logged as the model is ready, maybe just after
         while "KV cache: up to 8192 tokens (8 MB, float32), resident only as used" not in \
@@ -158,3 +159,17 @@ def test_idle_server_hands_kv_memory_back_and_says_what_the_pool_holds(tiny_home
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # nothing kept
     finally:
         proc.stop()
+
+
+def test_the_start_line_says_a_gpu_pool_is_allocated_whole_and_kept():
+    """Runs anywhere: the line a server on a GPU logs (its pool is not given back when idle)."""
+    from server.api.app import kv_summary
+    from server.engine.engine import EngineConfig
+
+    stats = {"kv_blocks_total": 512, "kv_block_bytes": 16384, "kv_dtype": "bfloat16"}
+    config = EngineConfig(idle_release_seconds=1.0)
+    gpu = kv_summary(stats, config, "cuda:0")
+    assert gpu.startswith("KV cache: up to 8192 tokens (8 MB, bfloat16), allocated on cuda:0;")
+    assert gpu.endswith("kept while the server runs") and "idle" not in gpu
+    cpu = kv_summary(stats, config, "cpu")
+    assert "resident only as used" in cpu and cpu.endswith("after 1 s idle it keeps 0 MB")
