@@ -125,9 +125,9 @@ def test_either_prompt_attention_gives_the_same_however_computed(int4_weights, i
     assert calls["tiles"] and bool(calls["in place"]) == bool(in_place)
 
 
-def same_however_computed(model, dtype) -> None:
+def same_however_computed(model, dtype, device=CPU) -> None:
     def engine(**config) -> Engine:
-        return Engine(model, EngineConfig(**({"num_blocks": 128} | config)), CPU, dtype)
+        return Engine(model, EngineConfig(**({"num_blocks": 128} | config)), device, dtype)
 
     def finish(e: Engine) -> None:
         while e.has_unfinished:
