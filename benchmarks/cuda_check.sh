@@ -6,7 +6,9 @@
 # each part's exit status. TOKENIZER_DIR (optional) holds smollm2-135m's tokenizer.json,
 # tokenizer_config.json and chat_template.jinja: the serving benchmark then runs a random-weight
 # model of that shape (speed does not depend on the values) at 1 and 32 clients, int4 and bf16.
-# API_TIMEOUT (default 360 s) bounds the API tests, run meanwhile; their servers pick the GPU.
+# API_TIMEOUT (default 360 s) bounds the API tests, run beside the engine's; their servers pick
+# the GPU. Needs the packages of pyproject.toml's test extra beside PyTorch with CUDA (an image
+# without them: install their wheels first; pytest-asyncio is the one plugin the tests use).
 set -u
 OUT=${1:?usage: cuda_check.sh OUTDIR [TOKENIZER_DIR]}
 TOK=${2:-}
@@ -20,7 +22,7 @@ status() { echo "$1 rc=$2" | tee -a "$OUT/summary.txt"; }
 transformers.__version__, torch.cuda.get_device_name())"
   lscpu | grep 'Model name'; nproc; } > "$OUT/machine.txt" 2>&1
 
-# The API tests (tiny random models) meanwhile, every server of theirs on the GPU.
+# The API tests (tiny random models) beside the engine's, every server of theirs on the GPU.
 timeout "${API_TIMEOUT:-360}" $PY -m pytest -p no:cacheprovider -v -rfEs -m "not real_model" \
   tests/api tests/cli > "$OUT/api.log" 2>&1 &
 api_pid=$!
@@ -29,8 +31,11 @@ api_pid=$!
 timeout 180 $PY -m pytest -p no:cacheprovider -v -rs tests/engine/test_cuda.py \
   tests/quant/test_quant.py -k "cuda" > "$OUT/engine.log" 2>&1
 status engine $?
+wait $api_pid
+status api $?
 
-# 2. Serving speed: `localserve bench` against `localserve serve` on the GPU.
+# 2. Serving speed: `localserve bench` against `localserve serve` on the GPU, alone on the
+#    machine (launching kernels is CPU work: the API tests beside it slowed it).
 if [ -n "$TOK" ]; then
   WORK=$(mktemp -d)
   export LOCALSERVE_HOME=$WORK/home
@@ -72,5 +77,3 @@ EOF
   unset LOCALSERVE_HOME
 fi
 
-wait $api_pid
-status api $?
