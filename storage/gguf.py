@@ -78,11 +78,22 @@ def read_config(path: Path) -> dict[str, Any]:
     return config
 
 
-def save_tokenizer(path: Path, out_dir: Path) -> None:
-    """Write tokenizer.json, its config and the chat template from the file's metadata."""
-    from transformers import AutoTokenizer
+def save_tokenizer(path: Path, out_dir: Path, model_type: str) -> None:
+    """Write tokenizer.json, its config and the chat template from the file's metadata.
 
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    The class is the one AutoTokenizer would pick for the model type (read_config's): named by
+    `tokenizer_type`, else the generic fast tokenizer it falls back to. Left to find it
+    itself, AutoTokenizer parses the whole file again for the config first: 4.1 s of its 4.4 s
+    for smollm2-135m's GGUF, the same three files either way [Intel(R) Xeon(R) Processor,
+    AVX-512 BF16 no, AMX no]."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
+
+    folder, kwargs = str(path.parent), {"gguf_file": path.name}
+    if TOKENIZER_MAPPING_NAMES.get(model_type):
+        tokenizer = AutoTokenizer.from_pretrained(folder, tokenizer_type=model_type, **kwargs)
+    else:
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(folder, **kwargs)
     tokenizer.save_pretrained(str(out_dir))
 
 

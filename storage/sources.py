@@ -158,7 +158,7 @@ def _from_gguf(path: Path, workdir: Path, origin: dict[str, Any]) -> Checkpoint:
         hf_config = gguf_io.read_config(path)
         tokenizer_dir = workdir / "tokenizer"
         tokenizer_dir.mkdir(exist_ok=True)
-        gguf_io.save_tokenizer(path, tokenizer_dir)
+        gguf_io.save_tokenizer(path, tokenizer_dir, hf_config["model_type"])
         reader = gguf_io.open_reader(path)
     except (gguf_io.GGUFError, ValueError, KeyError) as e:
         raise SourceError(f"cannot read GGUF {path.name}: {e}") from e

@@ -238,6 +238,13 @@ def test_pull_gguf_file(home, tmp_path, capsys):
     tok = load_tokenizer(stored)
     ids = chat_prompt_ids(tok, [{"role": "user", "content": "the inn"}])
     assert tok.decode(ids) == "<|im_start|>user\nthe inn<|im_end|>\n<|im_start|>assistant\n"
+    # The class picked from the model type writes the files AutoTokenizer's own search does.
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name).save_pretrained(
+        tmp_path / "auto")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        assert (stored.path / name).read_bytes() == (tmp_path / "auto" / name).read_bytes()
 
 
 def test_full_disk_one_line_error_and_nothing_left(home, llama_folder, monkeypatch, capsys):
