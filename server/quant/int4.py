@@ -12,11 +12,17 @@ import functools
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 import server.quant.cpu_gemm as cpu_gemm
 import server.quant.native as native
-from server.quant.rows import PACKED_TILE, RowSplit, kernel_rows_independent, rows_mm, tiled_rows
+from server.quant.rows import (
+    PACKED_TILE,
+    RowSplit,
+    dequantized_linear,
+    kernel_rows_independent,
+    rows_mm,
+    tiled_rows,
+)
 
 SUPPORTED_GROUP_SIZES = (32, 64, 128, 256)  # what the tinygemm kernels accept
 KERNEL_DTYPE = torch.bfloat16  # tinygemm's activations, scales and zeros
@@ -150,7 +156,7 @@ class Int4Linear(nn.Module):
         w = dequantize_int4(
             unpack_int4(self.weight), self.weight_scale, self.weight_zero, self.group_size
         )
-        return F.linear(x, w.to(x.dtype), self.bias)
+        return dequantized_linear(x, w.to(x.dtype), self.bias)
 
     def _packed_mm(self, x2: torch.Tensor) -> torch.Tensor:
         if self.tiled:

@@ -72,6 +72,25 @@ def tiled_mm(x: torch.Tensor, weight_t: torch.Tensor, tile: int) -> torch.Tensor
                 y[i:i + rows, c:c + width] = out[:rows]
     return y
 
+def dequantized_linear(x: torch.Tensor, weight: torch.Tensor,
+                       bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear for a quantized layer that no kernel takes, its weight dequantized: one call on
+    a CPU (there only the exactness tests' reference path comes here), tiled_linear elsewhere,
+    where it serves (a GPU's int8 LM head, an int4 shape tinygemm declines): cuBLAS, too, picks
+    its kernel by the number of rows."""
+    if x.device.type == "cpu":
+        return torch.nn.functional.linear(x, weight, bias)
+    return tiled_linear(x, weight, bias)
+
+
+def tiled_linear(x: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear (x [..., K], weight [N, K]) in GEMM calls of GENERATED_TILE rows (tiled_mm)."""
+    y = tiled_mm(x.reshape(-1, weight.shape[1]), weight.t(), GENERATED_TILE)
+    y = y.view(*x.shape[:-1], weight.shape[0])
+    return y if bias is None else y + bias
+
+
 # While a prompt spans several steps (a long prompt's paced chunks), the engine keeps every
 # layer's unpacked weight in one block, freed after the step where no prompt goes on, if the
 # block is at most this big; a prompt done in one step unpacks layer by layer into a small

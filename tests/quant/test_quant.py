@@ -20,6 +20,7 @@ from server.quant.int4 import (
 )
 from server.quant.int8 import Int8Embedding, Int8Linear, dequantize_int8, quantize_int8
 from server.quant.native import cpu_flags
+from server.quant.rows import tiled_linear
 
 
 def test_pack_unpack_int4_round_trip():
@@ -65,6 +66,21 @@ def test_cuda_int4_kernel_takes_the_shapes_it_can():
     assert cuda_inner_k_tiles(12, 576, 32) is None  # N not whole tiles of 8
     assert cuda_inner_k_tiles(8, 40, 32) is None
     assert cuda_inner_k_tiles(8, 576, 16) is None  # a group size the kernel has no code for
+
+
+def test_tiled_linear_gives_a_row_the_same_bits_whatever_shares_the_call():
+    """What a GPU's quantized layers without a kernel run (rows.dequantized_linear): calls of
+    a fixed number of rows, so a row's numbers do not follow the batch; checked here on the CPU,
+    whose GEMM libraries pick kernels by shape too."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 37, 96, generator=g)
+    w, b = torch.randn(40, 96, generator=g), torch.randn(40, generator=g)
+    y = tiled_linear(x, w, b)
+    assert y.shape == (2, 37, 40)
+    torch.testing.assert_close(y, torch.nn.functional.linear(x, w, b), atol=1e-4, rtol=1e-4)
+    flat = x.reshape(-1, 96)
+    for m in (1, 3, 16, 17, 74):
+        assert torch.equal(tiled_linear(flat[:m], w, b), y.reshape(-1, 40)[:m])
 
 
 def test_int8_round_trip_bound():
