@@ -2,8 +2,9 @@
 # The CUDA checks in one run, for a machine with an NVIDIA GPU (CI has none: there the CUDA tests
 # skip). Usage, from the repository root:
 #   bash benchmarks/cuda_check.sh OUTDIR [TOKENIZER_DIR]
-# OUTDIR gets machine.txt, engine.log, serve-*.log, bench-*.json and api.log; summary.txt gives
-# each part's exit status. TOKENIZER_DIR (optional) holds smollm2-135m's tokenizer.json,
+# OUTDIR gets summary.txt (the machine, then each part's exit status), engine.log, api.log,
+# serve-*.log, bench-*.json and profile.log (engine_throughput.py --profile: where a step's time
+# goes). TOKENIZER_DIR (optional) holds smollm2-135m's tokenizer.json,
 # tokenizer_config.json and chat_template.jinja: the serving benchmark then runs a random-weight
 # model of that shape (speed does not depend on the values) at 1 and 32 clients, int4 and bf16.
 # API_TIMEOUT (default 360 s) bounds the API tests, run beside the engine's; their servers pick
@@ -20,7 +21,7 @@ status() { echo "$1 rc=$2" | tee -a "$OUT/summary.txt"; }
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers',
 transformers.__version__, torch.cuda.get_device_name())"
-  lscpu | grep 'Model name'; nproc; } > "$OUT/machine.txt" 2>&1
+  lscpu | grep 'Model name'; nproc; } > "$OUT/summary.txt" 2>&1
 
 # The API tests (tiny random models) beside the engine's, every server of theirs on the GPU.
 timeout "${API_TIMEOUT:-360}" $PY -m pytest -p no:cacheprovider -v -rfEs -m "not real_model" \
@@ -74,6 +75,11 @@ EOF
     status "bench-$bits" $?
     kill $pid; wait $pid
   done
+  PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} timeout 240 $PY benchmarks/engine_throughput.py \
+    smollm2-135m-random:int4 \
+    smollm2-135m-random:bf16 --batch 1 32 --repeat 1 --tokens 32 --profile 32 \
+    > "$OUT/profile.log" 2>&1
+  status profile $?
   unset LOCALSERVE_HOME
 fi
 

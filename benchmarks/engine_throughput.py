@@ -1,6 +1,7 @@
 """Aggregate decode tokens/s of the engine at several batch sizes (no HTTP).
 
     python benchmarks/engine_throughput.py smollm2-135m:int4 smollm2-135m:bf16
+    python benchmarks/engine_throughput.py smollm2-135m:int4 --profile 32  # where time goes
 
 For each model and each number of concurrent sequences, N distinct chat prompts are prefilled,
 then decoded for --tokens steps with ignore_eos; only the all-decode steps are timed. The batch
@@ -26,7 +27,8 @@ from storage.models import ModelStore
 TOPICS = ["rivers", "bread", "chess", "volcanoes", "bees", "trains", "clouds", "music"]
 
 
-def measure(model, tokenizer, device, dtype, num_seqs: int, num_tokens: int) -> float:
+def prefilled(model, tokenizer, device, dtype, num_seqs: int, num_tokens: int) -> Engine:
+    """An engine holding num_seqs distinct chat prompts, to decode num_tokens each."""
     engine = Engine(model, EngineConfig(num_blocks=2048, max_num_seqs=max(64, num_seqs),
                                         max_num_batched_tokens=2048), device, dtype)
     for i in range(num_seqs):
@@ -34,15 +36,51 @@ def measure(model, tokenizer, device, dtype, num_seqs: int, num_tokens: int) -> 
         ids = chat_prompt_ids(tokenizer, [{"role": "user", "content": question}])
         engine.add(Sequence(ids, SamplingParams(max_tokens=num_tokens, temperature=0.0,
                                                 ignore_eos=True)))
-    decoded, seconds = 0, 0.0
+    return engine
+
+
+def decode_steps(engine: Engine):
+    """Steps the engine to the end; yields after each all-decode step (rows, seconds)."""
     while engine.has_unfinished:
         t = time.perf_counter()
         out = engine.step().scheduled
         dt = time.perf_counter() - t
         if all(n == 1 for n in out.num_new_tokens):
-            decoded += len(out.seqs)
-            seconds += dt
+            yield len(out.seqs), dt
+
+
+def measure(model, tokenizer, device, dtype, num_seqs: int, num_tokens: int) -> float:
+    decoded, seconds = 0, 0.0
+    for rows, dt in decode_steps(prefilled(model, tokenizer, device, dtype, num_seqs,
+                                           num_tokens)):
+        decoded += rows
+        seconds += dt
     return decoded / seconds
+
+
+def profile(model, tokenizer, device, dtype, num_seqs: int, num_tokens: int) -> None:
+    """torch.profiler over the decode steps at num_seqs sequences: the ops that take the time
+    (host and, on a GPU, device), and on a GPU the kernel launches a step."""
+    from torch.profiler import ProfilerActivity
+
+    engine = prefilled(model, tokenizer, device, dtype, num_seqs, num_tokens)
+    steps = decode_steps(engine)
+    next(steps)  # the prompts are done
+    on_gpu = torch.device(device).type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        timed = list(steps)
+    seconds = sum(dt for _, dt in timed)
+    print(f"\nprofile: {len(timed)} decode steps of {num_seqs} sequences, "
+          f"{1000 * seconds / len(timed):.1f} ms a step")
+    events = prof.key_averages()
+    if on_gpu:
+        launches = sum(e.count for e in events if "LaunchKernel" in e.key)
+        print(f"kernel launches a step: {launches / len(timed):.0f}")
+    sort = "self_cuda_time_total" if on_gpu else "self_cpu_time_total"
+    print(events.table(sort_by=sort, row_limit=25))
+    if on_gpu:
+        print(events.table(sort_by="self_cpu_time_total", row_limit=15))
 
 
 def main() -> None:
@@ -52,10 +90,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--dtype", default=None, choices=("bf16", "fp32"))
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--profile", type=int, default=None, metavar="SEQS",
+                        help="then profile the decode steps at this many sequences")
     args = parser.parse_args()
     device = pick_device()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"CPU capability {torch.backends.cpu.get_cpu_capability()}")
+          f"CPU capability {torch.backends.cpu.get_cpu_capability()}, device {device}")
     print("| model | dtype | " + " | ".join(f"{b} seqs" for b in args.batch) + " | 16 vs 1 |")
     print("| --- | --- |" + " --- |" * (len(args.batch) + 1))
     for name in args.models:
@@ -73,6 +113,8 @@ def main() -> None:
         cells = " | ".join(f"{rates[b]:.0f} tok/s" for b in args.batch)
         print(f"| {stored.name} | {str(dtype).removeprefix('torch.')} | {cells} | {ratio} |",
               flush=True)
+        if args.profile:
+            profile(model, tokenizer, device, dtype, args.profile, args.tokens)
 
 
 if __name__ == "__main__":
