@@ -309,7 +309,9 @@ def load_engine(
         kernels = cpu_kernels(loaded.model) if device.type == "cpu" else None
         if kernels:
             log.info("CPU kernels: %s", kernels)
-        return Engine(loaded.model, config or EngineConfig(), device, dtype)
+        engine = Engine(loaded.model, config or EngineConfig(), device, dtype)
+        engine.warm_up()
+        return engine
 
     eos = tuple(stored.manifest["tokenizer"]["eos_token_ids"])
     return AsyncEngine(build, load_tokenizer(stored), eos)

@@ -17,7 +17,7 @@ from server.engine.model_runner import ModelRunner, kv_bytes_per_block
 from server.engine.pacing import MIN_PREFILL_CHUNK, PrefillPacer
 from server.engine.recache import ReplyRecache
 from server.engine.scheduler import Scheduler, SchedulerOutput
-from server.engine.sequence import Sequence, SequenceStatus
+from server.engine.sequence import SamplingParams, Sequence, SequenceStatus
 from server.models.device import pick_kv_dtype
 
 
@@ -129,6 +129,20 @@ class Engine:
     def add(self, seq: Sequence) -> None:
         """Queue seq; raises RequestTooLargeError if it could never run."""
         self.scheduler.add(seq)
+
+    def warm_up(self) -> None:
+        """Run a short request of the engine's own (a 48-token prompt, then a decode step)
+        before any real one, so that first calls (oneDNN's primitives, buffers' first pages,
+        the GPU's libraries) fall on loading, not on the first user's time to first token. The
+        pool, the prefix cache, the counters and the pacer's measurements are as new after it."""
+        n = max(1, min(3 * self.config.block_size, self.max_model_len - 2))
+        self.add(Sequence(list(range(n)), SamplingParams(max_tokens=2, temperature=0.0,
+                                                         ignore_eos=True), internal=True))
+        while self.has_unfinished:
+            self.step()
+        self.runner.release_blocks(self.block_manager.release_idle(0))
+        self.pacer.forget()
+        self.metrics = Metrics()
 
     def step(self) -> StepOutput:
         out = self.scheduler.schedule(self.recache.before_step(self.scheduler, self.abort))

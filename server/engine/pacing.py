@@ -39,6 +39,10 @@ class PrefillPacer:
             per_token = max(seconds - base, 0.0) / num_prompt_tokens
             self.token_seconds = self._mix(self.token_seconds, per_token)
 
+    def forget(self) -> None:
+        """Drop the measurements (after the engine's warm-up, whose first calls are slow)."""
+        self.decode_seconds = self.token_seconds = None
+
     def cap(self) -> int | None:
         """Prompt tokens allowed in a step that decodes, or None for no cap."""
         if self.stretch is None or not self.decode_seconds or not self.token_seconds:

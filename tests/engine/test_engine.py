@@ -189,6 +189,24 @@ def test_stats_and_pool_sizing(llama):
     assert stats["prompt_tokens"] == {0: 40} and stats["generation_tokens"] == {0: 1}
 
 
+def test_the_warm_up_leaves_the_engine_as_new(llama):
+    """The server's engine runs a request of its own before any real one (first calls' costs at
+    load): afterwards the pool, the prefix cache, the counters and the pacer are as new, and a
+    request gets what it gets from an engine that never warmed up."""
+    config = EngineConfig(num_blocks=64, kv_cache_dtype=torch.float32)
+    engine = Engine(llama, config, CPU, torch.float32)
+    fresh = engine.stats()
+    engine.warm_up()
+    assert engine.stats() == fresh
+    assert engine.block_manager.num_resident_blocks == 0
+    assert engine.pacer.decode_seconds is None and engine.pacer.token_seconds is None
+    s = Sequence(prompt(40, 1), greedy(6))
+    engine.add(s)
+    while engine.has_unfinished:
+        engine.step()
+    assert s.num_cached_tokens == 0 and s.output_token_ids == solo(llama, prompt(40, 1), 6)
+
+
 def test_prefill_pacer_sizes_chunks_from_measured_costs():
     pacer = PrefillPacer(stretch=2.0, min_tokens=16)
     assert pacer.cap() is None  # nothing measured yet
