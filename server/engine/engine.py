@@ -135,7 +135,9 @@ class Engine:
         before any real one, so that first calls (oneDNN's primitives, buffers' first pages,
         the GPU's libraries) fall on loading, not on the first user's time to first token. The
         pool, the prefix cache, the counters and the pacer's measurements are as new after it."""
-        n = max(1, min(3 * self.config.block_size, self.max_model_len - 2))
+        n = min(3 * self.config.block_size, self.max_request_tokens - 2)  # a small pool too
+        if n < 1:
+            return
         self.add(Sequence(list(range(n)), SamplingParams(max_tokens=2, temperature=0.0,
                                                          ignore_eos=True), internal=True))
         while self.has_unfinished:

@@ -205,6 +205,11 @@ def test_the_warm_up_leaves_the_engine_as_new(llama):
     while engine.has_unfinished:
         engine.step()
     assert s.num_cached_tokens == 0 and s.output_token_ids == solo(llama, prompt(40, 1), 6)
+    for small in (EngineConfig(num_blocks=2), EngineConfig(num_blocks=1, block_size=2),
+                  EngineConfig(max_model_len=3)):  # a pool or context too small for 48 tokens
+        engine = Engine(llama, small, CPU, torch.float32)
+        engine.warm_up()
+        assert engine.stats()["kv_blocks_cached_free"] == 0 and not engine.has_unfinished
 
 
 def test_prefill_pacer_sizes_chunks_from_measured_costs():
