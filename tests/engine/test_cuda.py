@@ -5,17 +5,22 @@ servers there too on such a machine; these check the engine's own numbers on the
 
 from __future__ import annotations
 
+import json
+
+import jsonschema
 import pytest
 import torch
 
 from server.engine.engine import Engine, EngineConfig
-from server.engine.sequence import SamplingParams, Sequence
+from server.engine.grammar import GrammarCompiler, json_schema_grammar
+from server.engine.sequence import SamplingParams, Sequence, SequenceStatus
 from server.models.loader import build_model
 from server.models.simple import prompt_logits
 from server.quant import quantize_state_dict
 from server.quant.int4 import Int4Linear
+from tests.engine.test_grammar import EOS, SCHEMA
 from tests.engine.test_invariance import model_weights, same_however_computed
-from tests.helpers import hf_model, our_config
+from tests.helpers import VOCAB_SIZE, hf_model, make_tokenizer, our_config
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 CUDA = torch.device("cuda")
@@ -23,6 +28,16 @@ CUDA = torch.device("cuda")
 
 def prompt(n: int, seed: int) -> list[int]:
     return torch.randint(3, 260, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def finish(model, seqs: list[Sequence]) -> None:
+    """Run seqs to the end on the GPU, in fp32 with an fp32 pool."""
+    engine = Engine(model, EngineConfig(num_blocks=128, kv_cache_dtype=torch.float32), CUDA,
+                    torch.float32)
+    for s in seqs:
+        engine.add(s)
+    while engine.has_unfinished:
+        engine.step()
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
@@ -34,12 +49,7 @@ def test_greedy_equals_transformers_on_cuda(arch):
     hf = hf.to(CUDA)
     prompts = [prompt(n, i) for i, n in enumerate((5, 33, 17))]
     seqs = [Sequence(p, SamplingParams(max_tokens=12, temperature=0.0)) for p in prompts]
-    engine = Engine(ours, EngineConfig(num_blocks=128, kv_cache_dtype=torch.float32), CUDA,
-                    torch.float32)
-    for s in seqs:
-        engine.add(s)
-    while engine.has_unfinished:
-        engine.step()
+    finish(ours, seqs)
     for s, p in zip(seqs, prompts, strict=True):
         ref = hf.generate(torch.tensor([p], device=CUDA), max_new_tokens=12, do_sample=False,
                           eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
@@ -77,3 +87,34 @@ def test_seeded_request_is_the_same_however_it_is_computed_on_cuda(bits, dtype):
     """The fidelity invariant on the GPU: a seeded request's tokens and logprobs do not depend on
     the prefix cache, chunking, batch neighbours or preemption (smollm2-135m's shape)."""
     same_however_computed(build_model(*model_weights(bits), CUDA, dtype), dtype, CUDA)
+
+
+def test_every_sampling_option_and_a_grammar_run_on_cuda():
+    """Each of the sampler's paths on the GPU (every request with temperature > 0 failed there
+    once: indices built on the CPU): top-k, top-p, min-p, penalties, logit bias, logprobs, a
+    seed, a JSON-schema grammar; the seeded requests again give the same tokens."""
+    hf = hf_model("llama", seed=8)
+    model = build_model(our_config(hf), dict(hf.state_dict()), {}, CUDA, torch.float32)
+    tokenizer = make_tokenizer()
+    grammar = GrammarCompiler(tokenizer, VOCAB_SIZE, [EOS]).compile(json_schema_grammar(SCHEMA))
+
+    def requests() -> list[Sequence]:
+        options = [dict(temperature=1.0, seed=1, grammar=grammar, max_tokens=80),
+                   dict(temperature=0.8, seed=2, top_k=5, top_p=0.9, min_p=0.05,
+                        presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2,
+                        logit_bias={5: 2.0}, logprobs=True, top_logprobs=3, max_tokens=12),
+                   dict(temperature=0.0, logprobs=True, top_logprobs=2, max_tokens=12)]
+        return [Sequence(prompt(20, 50 + i), SamplingParams(**o), eos_token_ids=(EOS,))
+                for i, o in enumerate(options)]
+
+    first, again = requests(), requests()
+    finish(model, first)
+    finish(model, again)
+    assert [s.output_token_ids for s in first] == [s.output_token_ids for s in again]
+    constrained, sampled, greedy = first
+    assert constrained.status == SequenceStatus.FINISHED_STOPPED
+    text = tokenizer.decode(constrained.output_token_ids, skip_special_tokens=True)
+    jsonschema.validate(json.loads(text), SCHEMA)
+    for s, k in ((sampled, 3), (greedy, 2)):
+        assert len(s.logprobs) == len(s.output_token_ids) == 12
+        assert all(len(tops) == k for _, tops in s.logprobs)
