@@ -102,8 +102,10 @@ def test_every_sampling_option_and_a_grammar_run_on_cuda():
         options = [dict(temperature=1.0, seed=1, grammar=grammar, max_tokens=80),
                    dict(temperature=0.8, seed=2, top_k=5, top_p=0.9, min_p=0.05,
                         presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2,
-                        logit_bias={5: 2.0}, logprobs=True, top_logprobs=3, max_tokens=12),
-                   dict(temperature=0.0, logprobs=True, top_logprobs=2, max_tokens=12)]
+                        logit_bias={5: 2.0}, logprobs=True, top_logprobs=3, max_tokens=12,
+                        ignore_eos=True),
+                   dict(temperature=0.0, logprobs=True, top_logprobs=2, max_tokens=12,
+                        ignore_eos=True)]
         return [Sequence(prompt(20, 50 + i), SamplingParams(**o), eos_token_ids=(EOS,))
                 for i, o in enumerate(options)]
 
