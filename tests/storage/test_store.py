@@ -66,8 +66,21 @@ def test_stale_temporary_folders_are_swept(tmp_path):
     alive = tmp_path / "models" / f".tmp-other:int4-{os.getpid()}"
     dead.mkdir(parents=True)
     alive.mkdir()
+    # A pull's downloads (storage.models.SCRATCH_PREFIX): a killed pull's went on taking ~100 MB.
+    dead_pull = tmp_path / "cache" / "pull-999999999-x1"
+    alive_pull = tmp_path / "cache" / f"pull-{os.getpid()}-x2"
+    older = tmp_path / "cache" / "pull-qlf77mhb"  # before pids were in the name: left
+    for d in (dead_pull, alive_pull, older):
+        d.mkdir(parents=True)
+    (dead_pull / "model.gguf").write_bytes(b"x")
     install(store, "x:int4")
     assert not dead.exists() and alive.exists()
+    assert not dead_pull.exists() and alive_pull.exists() and older.exists()
+    with store.scratch() as scratch:
+        assert scratch.parent == tmp_path / "cache" and f"pull-{os.getpid()}-" in scratch.name
+        store.sweep_stale()
+        assert scratch.exists()
+    assert not scratch.exists()
 
 
 def test_bare_alias_prefers_int4(tmp_path):
