@@ -28,6 +28,10 @@ class DatabaseBusyError(Exception):
     """Another server process holds this database."""
 
 
+class DatabaseCorruptError(Exception):
+    """The database file is not one SQLite can read."""
+
+
 class Database:
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -42,7 +46,13 @@ class Database:
                                     "(stop it, or set LOCALSERVE_HOME)") from None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="db")
         self._local = threading.local()
-        self.call(self._create)
+        try:
+            self.call(self._create)
+        except sqlite3.DatabaseError as e:
+            self.close()
+            raise DatabaseCorruptError(
+                f"{path} is not a database SQLite can read ({e}): move it away to start with an "
+                "empty one (it holds the files, batches, stored responses and usage)") from None
 
     # -- running ---------------------------------------------------------------------------------
 

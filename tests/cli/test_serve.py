@@ -34,6 +34,16 @@ def test_bad_numbers(empty_home, capsys, flag, value):
     assert flag in one_line_error(capsys)
 
 
+def test_a_corrupt_database_is_a_one_line_error(tiny_home, tmp_path, monkeypatch, capsys):
+    from tests.api.server import home_with_models
+
+    home = home_with_models(tiny_home, tmp_path / "home")
+    (home / "localserve.db").write_bytes(b"not sqlite at all" * 100)
+    monkeypatch.setenv("LOCALSERVE_HOME", str(home))
+    assert main(["serve", "tiny", "--port", "0"]) == 1
+    assert "localserve.db is not a database SQLite can read" in one_line_error(capsys)
+
+
 def test_port_in_use(tiny_home, monkeypatch, capsys):
     monkeypatch.setenv("LOCALSERVE_HOME", str(tiny_home))
     with socket.socket() as taken:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from storage.db import Database, DatabaseBusyError
+from storage.db import Database, DatabaseBusyError, DatabaseCorruptError
 from storage.files import FileStore
 
 
@@ -55,6 +55,18 @@ def test_one_database_user_at_a_time(tmp_path):
     finally:
         db.close()
     Database(tmp_path / "localserve.db").close()  # free again once closed
+
+
+@pytest.mark.parametrize("content", [b"\x00\x13garbage" * 400, b"SQLite format 3\x00garbage"],
+                         ids=["noise", "bad-header"])
+def test_a_corrupt_database_is_named_and_the_home_left_free(tmp_path, content):
+    path = tmp_path / "localserve.db"
+    path.write_bytes(content)
+    with pytest.raises(DatabaseCorruptError, match="localserve.db is not a database SQLite can "
+                                                   "read .*: move it away"):
+        Database(path)
+    path.rename(tmp_path / "corrupt.db")
+    Database(path).close()  # the lock was let go: moved away, a fresh one opens
 
 
 def test_expired_files_are_gone_then_swept(store):
