@@ -31,6 +31,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", action="append", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1 and /metrics (repeatable; "
                    "or LOCALSERVE_API_KEY, comma-separated)")
+    p.add_argument("--allow-origin", action="append", default=None, metavar="ORIGIN",
+                   help="let web pages from ORIGIN (e.g. https://app.example.com; * for any) call "
+                   "the API from a browser; pages on localhost/127.0.0.1 always can (repeatable)")
     p.add_argument("--kv-cache-mb", type=int, default=None,
                    help="KV cache pool (default: a fifth of available memory)")
     p.add_argument("--prefix-cache-mb", type=int, default=256,
@@ -100,6 +103,7 @@ FLAGS = {
     "batch_window_seconds": ("--batch-window", "batch_window"),
     "batch_max_running": ("--batch-max-running", "batch_max_running"),
     "api_keys": ("--api-key", None),
+    "cors_origins": ("--allow-origin", None),
     "input_per_million": ("--price-input", "price_input"),
     "output_per_million": ("--price-output", "price_output"),
     "batch_discount": ("--batch-discount", "batch_discount"),
@@ -141,7 +145,8 @@ def run(args: argparse.Namespace) -> int:
             device=args.device, dtype=args.dtype, threads=args.threads,
             prices=Prices(args.price_input, args.price_output, args.batch_discount),
             batch_window_seconds=args.batch_window,
-            batch_max_running=args.batch_max_running, grammar_timeout=args.grammar_timeout)
+            batch_max_running=args.batch_max_running, grammar_timeout=args.grammar_timeout,
+            cors_origins=tuple(args.allow_origin or ()))
     except ConfigError as e:
         flag, value = FLAGS.get(e.field, (e.field, None))
         given = f", got {getattr(args, value)}" if value else ""

@@ -10,6 +10,7 @@ import logging
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
@@ -105,6 +106,11 @@ class DrainMiddleware:
             await self.app(scope, receive, send)
         finally:
             self.state.num_http_inflight -= 1
+
+
+# Pages served from this machine may call the API from a browser (as Ollama allows by default);
+# others only when `serve --allow-origin` names them.
+LOCAL_ORIGINS = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?"
 
 
 def load_into(state: ServerState) -> None:
@@ -215,7 +221,12 @@ def create_app(settings: ServerSettings, state: ServerState | None = None) -> St
     ]
     app = Starlette(
         routes=routes,
-        middleware=[Middleware(AuthMiddleware, api_keys=settings.api_keys),
+        # CORS outermost: a browser's preflight carries no key, and errors (401 included)
+        # need the headers too, or the page cannot read them.
+        middleware=[Middleware(CORSMiddleware, allow_origins=list(settings.cors_origins),
+                               allow_origin_regex=LOCAL_ORIGINS, allow_methods=["*"],
+                               allow_headers=["*"]),
+                    Middleware(AuthMiddleware, api_keys=settings.api_keys),
                     Middleware(DrainMiddleware, state=state)],
         exception_handlers={APIError: api_error_handler, HTTPException: http_error_handler,
                             Exception: unexpected_error_handler},

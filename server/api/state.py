@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -48,6 +49,9 @@ class ServerSettings:
     max_file_bytes: int = 200 << 20
     max_batch_lines: int = 50_000
     grammar_timeout: float = 10.0  # seconds a response format or tools grammar may compile
+    # Web pages (origins) that may call the API from a browser, besides those on this machine
+    # (http(s)://localhost, 127.0.0.1 or [::1], any port); "*": any page.
+    cors_origins: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         at_least(self, 1, "max_pending", "max_body_bytes", "threads", "batch_window_seconds",
@@ -56,6 +60,10 @@ class ServerSettings:
         at_least(self, 0.001, "grammar_timeout")
         if any(not key.strip() for key in self.api_keys):
             raise ConfigError("api_keys", "must not be empty")
+        for origin in self.cors_origins:  # what a browser sends: scheme://host[:port], no path
+            if not re.fullmatch(r"\*|null|[a-z][a-z0-9+.-]*://[^/\s]+", origin):
+                raise ConfigError("cors_origins", f"{origin!r} is not an origin: give one like "
+                                  "https://app.example.com (no path), null or *")
 
 
 class ServerState:

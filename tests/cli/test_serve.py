@@ -44,6 +44,13 @@ def test_a_corrupt_database_is_a_one_line_error(tiny_home, tmp_path, monkeypatch
     assert "localserve.db is not a database SQLite can read" in one_line_error(capsys)
 
 
+@pytest.mark.parametrize("origin", ["https://app.example.com/", "app.example.com", ""])
+def test_an_origin_that_is_not_one(empty_home, capsys, origin):
+    """What a browser sends is scheme://host[:port]: one with a path would never match."""
+    assert main(["serve", "nosuch", "--allow-origin", origin]) == 1
+    assert f"--allow-origin {origin!r} is not an origin" in one_line_error(capsys)
+
+
 def test_port_in_use(tiny_home, monkeypatch, capsys):
     monkeypatch.setenv("LOCALSERVE_HOME", str(tiny_home))
     with socket.socket() as taken:
