@@ -8,6 +8,7 @@ process exits 0. A second SIGTERM or Ctrl-C stops at once.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import os
 import signal
@@ -164,6 +165,8 @@ def run(args: argparse.Namespace) -> int:
         shown = f"[{host}]" if ":" in host else host
         print(f"localserve: serving {name} at http://{shown}:{port}/v1 (loading the model...)",
               file=sys.stderr, flush=True)
+        if (warning := exposure_warning(host, keys)) is not None:
+            log.warning(warning)
         config = uvicorn.Config(create_app(settings, state), log_level=args.log_level,
                                 access_log=args.access_log, timeout_graceful_shutdown=5,
                                 lifespan="on")
@@ -192,6 +195,14 @@ def _model_name(name: str | None) -> str:
     print(f"localserve: {DEFAULT_MODEL} is not in the store yet; pulling it at 4 bits",
           file=sys.stderr, flush=True)
     return pull(DEFAULT_MODEL, 4, store).name
+
+
+def exposure_warning(host: str, api_keys: tuple[str, ...]) -> str | None:
+    """A line for a server that other machines can reach with no key asked."""
+    if api_keys or ipaddress.ip_address(host.split("%")[0]).is_loopback:
+        return None
+    return (f"listening on {host} without --api-key: anyone who can reach this machine can use "
+            "the API, its files and batches")
 
 
 def _bind(host: str, port: int) -> socket.socket:

@@ -79,3 +79,13 @@ def test_a_device_that_cannot_serve_is_refused_first(empty_home, capsys, command
         assert main([*command, "--device", device]) == 1
         err = one_line_error(capsys)
         assert "--device" in err and says in err
+
+
+def test_a_server_others_can_reach_without_a_key_says_so():
+    from cli.serve import exposure_warning
+
+    for host in ("0.0.0.0", "::", "192.168.1.20", "fe80::1%eth0"):
+        assert "without --api-key" in exposure_warning(host, ())
+        assert exposure_warning(host, ("k",)) is None
+    for host in ("127.0.0.1", "::1", "127.0.0.2"):
+        assert exposure_warning(host, ()) is None
