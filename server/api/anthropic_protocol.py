@@ -38,6 +38,7 @@ def parse_messages_request(body: dict[str, Any], vocab_size: int, count_only: bo
     messages = _system(f.raw("system")) + _turns(f.raw("messages"))
     tool_use = _tools(f.raw("tools"), f.raw("tool_choice"))
     output_schema = _output_config(f.raw("output_config"))
+    continue_final = _prefill(messages, tool_use, output_schema)
     thinking = f.raw("thinking")
     if thinking is not None and not (isinstance(thinking, dict)
                                      and thinking.get("type") == "disabled"):
@@ -46,7 +47,8 @@ def parse_messages_request(body: dict[str, Any], vocab_size: int, count_only: bo
     if count_only:
         f.check_unknown(UNKNOWN)
         return ChatRequest(model=model, params=SamplingParams(), max_tokens=None,
-                           messages=messages, output_schema=output_schema, tool_use=tool_use)
+                           messages=messages, output_schema=output_schema, tool_use=tool_use,
+                           continue_final=continue_final)
     max_tokens = f.int("max_tokens", lo=1)
     if max_tokens is None:
         raise invalid("max_tokens", "max_tokens: Field required")
@@ -65,7 +67,30 @@ def parse_messages_request(body: dict[str, Any], vocab_size: int, count_only: bo
     f.check_unknown(UNKNOWN)
     return ChatRequest(model=model, params=params, max_tokens=max_tokens, stream=stream,
                        user=user if isinstance(user, str) else None, messages=messages,
-                       output_schema=output_schema, tool_use=tool_use)
+                       output_schema=output_schema, tool_use=tool_use,
+                       continue_final=continue_final)
+
+
+def _prefill(messages: list[dict[str, Any]], tool_use: ToolUse | None,
+             output_schema: dict[str, Any] | None) -> bool:
+    """A final assistant message is the start of the reply (Anthropic's prefill): True when the
+    reply continues its text. An empty one is dropped (a plain reply); trailing whitespace is
+    refused as Anthropic refuses it."""
+    last = messages[-1]
+    if last["role"] != "assistant":
+        return False
+    if last.get("tool_calls"):
+        raise unsupported("messages", "a final assistant message with tool_use blocks")
+    if not last["content"]:
+        messages.pop()
+        return False
+    if last["content"] != last["content"].rstrip():
+        raise invalid("messages", "messages: final assistant content cannot end with trailing "
+                      "whitespace")
+    if (tool_use is not None and tool_use.is_active) or output_schema is not None:
+        raise unsupported("messages", "a final assistant message (prefill) with tools or "
+                          "output_config")
+    return True
 
 
 def _settings(f: Fields) -> None:

@@ -112,6 +112,7 @@ class ChatRequest(GenerateRequest):
     messages: list[dict[str, Any]] = field(default_factory=list)
     output_schema: dict[str, Any] | None = None  # response_format beyond text
     tool_use: ToolUse | None = None  # tools offered, and how they may be called
+    continue_final: bool = False  # the reply continues the final (assistant) message's text
 
 
 @dataclass(slots=True)

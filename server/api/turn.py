@@ -54,7 +54,8 @@ async def start_turn(state: ServerState, req: ChatRequest, salt: str, priority: 
     of the protocol) or `schema_param` (where its output schema came from)."""
     template = getattr(state.tokenizer, "chat_template", None) or ""
     messages, tools = tool_messages(req.messages, req.tool_use, template)
-    prompt_ids = await off_loop(_prompt_ids, state.tokenizer, messages, tools, param)
+    prompt_ids = await off_loop(_prompt_ids, state.tokenizer, messages, tools, param,
+                                req.continue_final)
     params = with_max_tokens(state, req.params, req.max_tokens, len(prompt_ids), param)
     grammar, where = _grammar_text(req, schema_param)
     if grammar is not None:
@@ -69,7 +70,8 @@ async def count_prompt_tokens(state: ServerState, req: ChatRequest, param: str) 
     """The prompt tokens the request would take, without running it."""
     template = getattr(state.tokenizer, "chat_template", None) or ""
     messages, tools = tool_messages(req.messages, req.tool_use, template)
-    return len(await off_loop(_prompt_ids, state.tokenizer, messages, tools, param))
+    return len(await off_loop(_prompt_ids, state.tokenizer, messages, tools, param,
+                              req.continue_final))
 
 
 async def pieces(turn: Turn) -> AsyncIterator[Piece]:
@@ -103,13 +105,15 @@ def _grammar_text(req: ChatRequest, schema_param: str) -> tuple[str | None, str]
     return None, ""
 
 
-def _prompt_ids(tokenizer: Any, messages: list[dict[str, Any]], tools, param: str
-                ) -> list[int]:
+def _prompt_ids(tokenizer: Any, messages: list[dict[str, Any]], tools, param: str,
+                continue_final: bool = False) -> list[int]:
     try:
-        return chat_prompt_ids(tokenizer, messages, tools)
+        return chat_prompt_ids(tokenizer, messages, tools, continue_final)
     except Exception as e:  # noqa: BLE001 - a template that refuses these messages
         from jinja2 import TemplateError
 
         if isinstance(e, TemplateError):
             raise invalid(param, f"The chat template refused these messages: {e}") from None
+        if isinstance(e, ValueError) and continue_final:
+            raise invalid(param, f"{param}: {e}") from None
         raise

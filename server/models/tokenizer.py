@@ -115,12 +115,26 @@ def load_tokenizer(stored: StoredModel) -> Any:
 
 
 def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]],
-                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+                    tools: list[dict[str, Any]] | None = None,
+                    continue_final: bool = False) -> list[int]:
     """Token ids of `messages` (and `tools`, for templates that render them) through the
-    model's chat template, ready for the reply."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                         **({"tools": tools} if tools else {}))
-    return tokenizer.encode(text, add_special_tokens=False)
+    model's chat template, ready for the reply; with `continue_final`, ready to continue the
+    final message's text instead (the template's text after it, its end of turn, cut off, as
+    transformers' continue_final_message does). ValueError if the template does not show that
+    text as given."""
+    kw = {"tools": tools} if tools else {}
+    if not continue_final:
+        text = tokenizer.apply_chat_template(messages, tokenize=False,
+                                             add_generation_prompt=True, **kw)
+        return tokenizer.encode(text, add_special_tokens=False)
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False,
+                                         **kw)
+    final = messages[-1]["content"].strip()
+    end = text.rfind(final) if final else -1
+    if end < 0:
+        raise ValueError("the chat template does not show the final message's text as given, "
+                         "so it cannot be continued")
+    return tokenizer.encode(text[:end + len(final)], add_special_tokens=False)
 
 
 def byte_to_unicode() -> dict[int, str]:

@@ -86,6 +86,36 @@ def test_count_tokens_equals_the_prompt_a_message_uses(anthropic_client):
     assert counted == used.input_tokens + used.cache_read_input_tokens
 
 
+def test_a_final_assistant_message_is_the_start_of_the_reply(anthropic_client):
+    """Anthropic's prefill: the prompt ends with the final assistant text itself (no end of
+    turn, no new turn after it), so the reply continues it; an empty one is a plain reply."""
+    import anthropic
+
+    from tests.helpers import make_tokenizer
+
+    ask = {"role": "user", "content": "Count from 1 to 10."}
+
+    def count(*messages) -> int:
+        return anthropic_client.messages.count_tokens(model=MODEL,
+                                                      messages=list(messages)).input_tokens
+    prefill = {"role": "assistant", "content": "1, 2, 3,"}
+    added = len(make_tokenizer().encode("1, 2, 3,", add_special_tokens=False))
+    assert count(ask, prefill) == count(ask) + added  # after "<|im_start|>assistant\n"
+    assert count(ask, {"role": "assistant", "content": ""}) == count(ask)
+    m = anthropic_client.messages.create(model=MODEL, max_tokens=3, messages=[ask, prefill],
+                                         extra_body=GREEDY)
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == count(ask, prefill)
+    with pytest.raises(anthropic.BadRequestError) as e:
+        anthropic_client.messages.create(model=MODEL, max_tokens=3, messages=[
+            ask, {"role": "assistant", "content": "1, 2, 3, "}])
+    assert e.value.body["error"]["message"] == ("messages: final assistant content cannot end "
+                                                "with trailing whitespace")
+    with pytest.raises(anthropic.BadRequestError) as e:
+        anthropic_client.messages.create(model=MODEL, max_tokens=3, messages=[ask, prefill],
+                                         tools=[WEATHER], tool_choice={"type": "any"})
+    assert "prefill" in e.value.body["error"]["message"]
+
+
 def test_a_plain_text_document_is_the_user_s_text_in_document_tags(anthropic_client):
     import anthropic
 
