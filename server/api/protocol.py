@@ -227,10 +227,33 @@ def parse_chat(body: dict[str, Any], vocab_size: int) -> ChatRequest:
     f.refuse("store", (None, False), "stored completions")
     f.refuse("moderation")
     f.raw("metadata")  # only meaningful with store
+    continue_final = _continue_final(f, messages, tool_use, output)
     f.check_unknown()
     params = SamplingParams(logprobs=logprobs, top_logprobs=top or 0, **kw)
     return ChatRequest(params=params, max_tokens=max_tokens, messages=messages,
-                       output_schema=output, tool_use=tool_use, **other)
+                       output_schema=output, tool_use=tool_use, continue_final=continue_final,
+                       **other)
+
+
+def _continue_final(f: Fields, messages: list[dict[str, Any]], tool_use: ToolUse | None,
+                    output: dict[str, Any] | None) -> bool:
+    """vLLM's `continue_final_message` (with `add_generation_prompt` false): the reply
+    continues the final message's text, as Anthropic's prefill does."""
+    cont = f.bool("continue_final_message")
+    generation_prompt = f.bool("add_generation_prompt", True)
+    if cont and generation_prompt and f.raw("add_generation_prompt") is not None:
+        raise invalid("continue_final_message", "Cannot set both `continue_final_message` and "
+                      "`add_generation_prompt` to True.")
+    if not cont and not generation_prompt:
+        raise unsupported("add_generation_prompt", "a prompt that ends after the last turn")
+    if not cont:
+        return False
+    if not isinstance(messages[-1].get("content"), str) or not messages[-1]["content"].strip():
+        raise invalid("continue_final_message", "`continue_final_message` needs a final message "
+                      "with text to continue.")
+    if (tool_use is not None and tool_use.is_active) or output is not None:
+        raise unsupported("continue_final_message", "with tools or a response_format")
+    return True
 
 
 def parse_completion(body: dict[str, Any], vocab_size: int) -> CompletionRequest:

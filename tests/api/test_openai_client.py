@@ -91,6 +91,29 @@ def test_prompt_cache_settings_are_taken_and_change_nothing(client):
     assert hinted.choices[0].message.content == plain.choices[0].message.content
 
 
+def test_vllm_s_continue_final_message_continues_the_last_text(client):
+    """vLLM's extra `continue_final_message` (as Anthropic's prefill): the prompt is the plain
+    one plus the final message's tokens, no end of turn and no new turn after them."""
+    from tests.helpers import make_tokenizer
+
+    ask = {"role": "user", "content": "Count from 1 to 10."}
+    prefill = {"role": "assistant", "content": "1, 2, 3,"}
+
+    def prompt_tokens(messages, **extra) -> int:
+        r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1,
+                                           temperature=0, extra_body=extra or None)
+        return r.usage.prompt_tokens
+    added = len(make_tokenizer().encode("1, 2, 3,", add_special_tokens=False))
+    assert prompt_tokens([ask, prefill], continue_final_message=True) == \
+        prompt_tokens([ask]) + added
+    assert prompt_tokens([ask, prefill], continue_final_message=True,
+                         add_generation_prompt=False) == prompt_tokens([ask]) + added
+    with pytest.raises(openai.BadRequestError, match="Cannot set both"):
+        prompt_tokens([ask, prefill], continue_final_message=True, add_generation_prompt=True)
+    with pytest.raises(openai.BadRequestError, match="needs a final message with text"):
+        prompt_tokens([ask, {"role": "assistant", "content": ""}], continue_final_message=True)
+
+
 def test_stop_string_ends_the_text_and_is_never_streamed(client):
     kw = dict(model=MODEL, messages=HELLO, max_tokens=40, logit_bias=LETTERS, **GREEDY)
     full = client.chat.completions.create(**kw).choices[0].message.content
