@@ -15,14 +15,8 @@ from torch import nn
 
 import server.quant.cpu_gemm as cpu_gemm
 import server.quant.native as native
-from server.quant.rows import (
-    PACKED_TILE,
-    RowSplit,
-    dequantized_linear,
-    kernel_rows_independent,
-    rows_mm,
-    tiled_rows,
-)
+import server.quant.rows as quant_rows
+from server.quant.rows import PACKED_TILE, RowSplit, kernel_rows_independent, rows_mm, tiled_rows
 
 SUPPORTED_GROUP_SIZES = (32, 64, 128, 256)  # what the tinygemm kernels accept
 KERNEL_DTYPE = torch.bfloat16  # tinygemm's activations, scales and zeros
@@ -105,9 +99,9 @@ class Int4Linear(nn.Module):
         if self.kernel_weight is not None or self.q4x32 is not None:
             return  # already converted (the source buffers are gone)
         device = self.weight.device
-        tiles = cuda_inner_k_tiles(self.out_features, self.in_features, self.group_size)
-        if not use_kernel or device.type not in ("cpu", "cuda") or (
-                device.type == "cuda" and tiles is None):
+        tiles = (cuda_inner_k_tiles(self.out_features, self.in_features, self.group_size)
+                 if device.type == "cuda" else None)
+        if not use_kernel or not (device.type == "cpu" or tiles):  # CUDA: a shape it takes
             self.kernel_weight = self.scales_and_zeros = None
             return
         q = unpack_int4(self.weight)
@@ -156,7 +150,7 @@ class Int4Linear(nn.Module):
         w = dequantize_int4(
             unpack_int4(self.weight), self.weight_scale, self.weight_zero, self.group_size
         )
-        return dequantized_linear(x, w.to(x.dtype), self.bias)
+        return quant_rows.dequantized_linear(x, w.to(x.dtype), self.bias)
 
     def _packed_mm(self, x2: torch.Tensor) -> torch.Tensor:
         if self.tiled:

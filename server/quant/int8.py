@@ -13,14 +13,8 @@ import torch
 from torch import nn
 
 import server.quant.cpu_gemm as cpu_gemm
-from server.quant.rows import (
-    PACKED_TILE,
-    RowSplit,
-    dequantized_linear,
-    kernel_rows_independent,
-    rows_mm,
-    tiled_rows,
-)
+import server.quant.rows as quant_rows
+from server.quant.rows import PACKED_TILE, RowSplit, kernel_rows_independent, rows_mm, tiled_rows
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,7 +79,7 @@ class Int8Linear(nn.Module):
             y = y.view(*x.shape[:-1], self.out_features).to(x.dtype)
             return y if self.bias is None else y + self.bias
         w = dequantize_int8(self.weight, self.weight_scale).to(x.dtype)
-        return dequantized_linear(x, w, self.bias)
+        return quant_rows.dequantized_linear(x, w, self.bias)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """As an LM head: fp32 [N, out]. our kernels hand them over unrounded (bf16 logits
