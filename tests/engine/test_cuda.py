@@ -11,13 +11,13 @@ import jsonschema
 import pytest
 import torch
 
-from server.engine.engine import Engine, EngineConfig
 from server.engine.grammar import GrammarCompiler, json_schema_grammar
 from server.engine.sequence import SamplingParams, Sequence, SequenceStatus
 from server.models.loader import build_model
 from server.models.simple import prompt_logits
 from server.quant import quantize_state_dict
 from server.quant.int4 import Int4Linear
+from tests.engine.test_engine import run
 from tests.engine.test_grammar import EOS, SCHEMA
 from tests.engine.test_invariance import model_weights, same_however_computed
 from tests.helpers import VOCAB_SIZE, hf_model, make_tokenizer, our_config
@@ -30,16 +30,6 @@ def prompt(n: int, seed: int) -> list[int]:
     return torch.randint(3, 260, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def finish(model, seqs: list[Sequence]) -> None:
-    """Run seqs to the end on the GPU, in fp32 with an fp32 pool."""
-    engine = Engine(model, EngineConfig(num_blocks=128, kv_cache_dtype=torch.float32), CUDA,
-                    torch.float32)
-    for s in seqs:
-        engine.add(s)
-    while engine.has_unfinished:
-        engine.step()
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_greedy_equals_transformers_on_cuda(arch):
     """fp32 weights, compute and pool on the GPU, three prompts batched: transformers' greedy
@@ -49,7 +39,7 @@ def test_greedy_equals_transformers_on_cuda(arch):
     hf = hf.to(CUDA)
     prompts = [prompt(n, i) for i, n in enumerate((5, 33, 17))]
     seqs = [Sequence(p, SamplingParams(max_tokens=12, temperature=0.0)) for p in prompts]
-    finish(ours, seqs)
+    run(ours, seqs, CUDA)
     for s, p in zip(seqs, prompts, strict=True):
         ref = hf.generate(torch.tensor([p], device=CUDA), max_new_tokens=12, do_sample=False,
                           eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
@@ -110,8 +100,8 @@ def test_every_sampling_option_and_a_grammar_run_on_cuda():
                 for i, o in enumerate(options)]
 
     first, again = requests(), requests()
-    finish(model, first)
-    finish(model, again)
+    run(model, first, CUDA)
+    run(model, again, CUDA)
     assert [s.output_token_ids for s in first] == [s.output_token_ids for s in again]
     constrained, sampled, greedy = first
     assert constrained.status == SequenceStatus.FINISHED_STOPPED

@@ -31,11 +31,11 @@ def greedy(max_tokens=10, **kw):
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
 
 
-def run(model, seqs, **config):
+def run(model, seqs, device=CPU, **config):
     """In fp32, pool too: the tests compare with references computed in fp32 (the default pool
     is bf16 on CPUs without native bf16)."""
     config = {"num_blocks": 128, "kv_cache_dtype": torch.float32} | config
-    engine = Engine(model, EngineConfig(**config), CPU, torch.float32)
+    engine = Engine(model, EngineConfig(**config), device, torch.float32)
     for s in seqs:
         engine.add(s)
     steps = 0
