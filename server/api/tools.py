@@ -5,8 +5,11 @@ A chat template that knows tools (it reads `tools`, `tool_calls`) gets them nati
 (SmolLM2-135M's has no tools) get a Hermes-style default: the tools listed in the system
 prompt, calls written `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, results fed
 back as `<tool_response>` turns. The grammar, in llguidance's Lark:
-- "required" or a named tool: the output is one call (several when parallel_tool_calls), each
-  object following its tool's parameter schema;
+- "required": one call (several when parallel_tool_calls), each object following its tool's
+  parameter schema;
+- a named tool: exactly one call of it (as vLLM and llama.cpp do: clients that name a tool,
+  such as instructor and LangChain's structured output, read the first call; a small model
+  left free to go on repeats the call until max_tokens cuts it);
 - "auto": free text, but once the model writes `<tool_call>` the call must be well-formed
   (a lazy lexeme: the text before the trigger is unconstrained);
 - "none": no tools in the prompt, no grammar, no parsing.
@@ -225,7 +228,8 @@ def tool_grammar(use: ToolUse, output_schema: dict[str, Any] | None) -> str | No
     lines = ["%llguidance {}", f"call_body: {body}"]
     if use.choice in ("required", "named"):
         one = f'"{CALL_OPEN}" {call}'
-        lines.append(f'start: {one} ("\\n" {one})*' if use.parallel else f"start: {one}")
+        several = use.parallel and use.choice == "required"
+        lines.append(f'start: {one} ("\\n" {one})*' if several else f"start: {one}")
     elif output_schema is not None:  # auto with a response format: the JSON answer or calls
         answer = json.dumps(output_schema | {"x-guidance": JSON_OPTIONS})
         one = f'"{CALL_OPEN}" {call}'

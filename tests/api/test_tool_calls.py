@@ -9,9 +9,10 @@ import jsonschema
 import pytest
 
 from server.api.tool_calls import ToolCallParser, openai_deltas
-from server.api.tools import hermes_system_prompt, parse_tools, tool_messages
+from server.api.tools import hermes_system_prompt, parse_tools, tool_grammar, tool_messages
+from server.engine.grammar import GrammarCompiler, GrammarMasks, lark_grammar
 from tests.api.conftest import MODEL
-from tests.helpers import CHAT_TEMPLATE
+from tests.helpers import CHAT_TEMPLATE, VOCAB_SIZE, make_tokenizer
 
 
 def parse(pieces: list[str]):
@@ -117,6 +118,24 @@ def test_a_template_without_tools_gets_them_in_the_system_prompt_and_tool_turns(
     messages[2]["tool_calls"][0]["function"]["arguments"] = "[" * 100_000
     out, _ = tool_messages(messages, use, native)
     assert out[2]["tool_calls"][0]["function"]["arguments"] == "[" * 100_000
+
+
+@pytest.mark.parametrize("choice, parallel, more", [
+    ("required", None, True), ("required", False, False),
+    ({"type": "function", "function": {"name": "get_weather"}}, None, False)])
+def test_a_named_tool_is_called_once_and_required_as_often_as_parallel_allows(choice, parallel,
+                                                                              more):
+    tokenizer = make_tokenizer()
+    compiler = GrammarCompiler(tokenizer, VOCAB_SIZE, [tokenizer.eos_token_id])
+    grammar = tool_grammar(parse_tools([WEATHER], choice, parallel), None)
+    state = compiler.compile(lark_grammar(grammar)).start()
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    for token_id in tokenizer.encode(call):
+        state.accept(token_id)
+    allowed = GrammarMasks(VOCAB_SIZE).masks([state])[0].nonzero().flatten().tolist()
+    newline = tokenizer.convert_tokens_to_ids("\u010a")  # byte-level BPE's "\n"
+    assert tokenizer.eos_token_id in allowed
+    assert (newline in allowed) is more  # a second call may follow
 
 
 @pytest.mark.parametrize("stream", [False, True])
