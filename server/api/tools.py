@@ -24,7 +24,7 @@ from typing import Any
 from server.api.body import loads
 from server.api.errors import invalid, unsupported
 from server.api.structured import NAME
-from server.engine.grammar import JSON_OPTIONS
+from server.engine.grammar import JSON_OPTIONS, closed_objects
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
@@ -223,7 +223,7 @@ def tool_grammar(use: ToolUse, output_schema: dict[str, Any] | None) -> str | No
     tools = [t for t in use.tools if use.choice != "named" or t.name == use.name]
     schema = {"anyOf": [_call_schema(t) for t in tools]} if len(tools) > 1 else \
         _call_schema(tools[0])
-    body = f"%json {json.dumps(schema | {'x-guidance': JSON_OPTIONS})}"
+    body = f"%json {json.dumps(closed_objects(schema) | {'x-guidance': JSON_OPTIONS})}"
     call = f'"\\n" call_body "\\n{CALL_CLOSE}"'
     lines = ["%llguidance {}", f"call_body: {body}"]
     if use.choice in ("required", "named"):
@@ -231,7 +231,7 @@ def tool_grammar(use: ToolUse, output_schema: dict[str, Any] | None) -> str | No
         several = use.parallel and use.choice == "required"
         lines.append(f'start: {one} ("\\n" {one})*' if several else f"start: {one}")
     elif output_schema is not None:  # auto with a response format: the JSON answer or calls
-        answer = json.dumps(output_schema | {"x-guidance": JSON_OPTIONS})
+        answer = json.dumps(closed_objects(output_schema) | {"x-guidance": JSON_OPTIONS})
         one = f'"{CALL_OPEN}" {call}'
         calls = f'{one} ("\\n" {one})*' if use.parallel else one
         lines += [f"answer: %json {answer}", f"start: answer | {calls}"]

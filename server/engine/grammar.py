@@ -33,6 +33,63 @@ import torch
 # bound the output's length).
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
+# Keywords whose value is a schema, a list of schemas, or a map of names to schemas: where
+# closed_objects looks for objects (never in data: const, enum, default, examples).
+_SUBSCHEMA = ("items", "additionalItems", "contains", "not", "if", "then", "else",
+              "propertyNames", "additionalProperties", "unevaluatedItems")
+_SUBSCHEMAS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+_OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+
+
+def closed_objects(schema: Any) -> Any:
+    """The schema with every object that lists its `properties` and says nothing of others
+    closed to them (`additionalProperties: false`), as vLLM's (xgrammar's strict mode) and
+    llama.cpp's grammars do: JSON Schema lets such an object take any other key, and a small
+    model given that freedom writes keys of its own until max_tokens cuts it off. A schema with
+    an `allOf` of several branches is left as it is (closing each branch would forbid the
+    others' properties). Not modified in place."""
+    if _has_intersection(schema):
+        return schema
+    return _closed(schema)
+
+
+def _closed(schema: Any) -> Any:
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA:
+        if isinstance(out.get(key), dict):
+            out[key] = _closed(out[key])
+    for key in _SUBSCHEMAS:
+        if isinstance(out.get(key), list):
+            out[key] = [_closed(s) for s in out[key]]
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: _closed(s) for name, s in out[key].items()}
+    if isinstance(out.get("properties"), dict) and not any(k in out for k in _OPEN_KEYS):
+        out["additionalProperties"] = False
+    return out
+
+
+def _has_intersection(schema: Any) -> bool:
+    if not isinstance(schema, dict):
+        return False
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        return True
+    return any(_has_intersection(s) for s in _children(schema))
+
+
+def _children(schema: dict[str, Any]):
+    """The schema's direct subschemas (those _closed rebuilds)."""
+    yield from (schema.get(key) for key in _SUBSCHEMA)
+    for key in _SUBSCHEMAS:
+        if isinstance(schema.get(key), list):
+            yield from schema[key]
+    for key in _SCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            yield from schema[key].values()
+
 
 class GrammarError(ValueError):
     """The grammar cannot be compiled; the message says why (llguidance's words)."""
@@ -109,7 +166,8 @@ class GrammarCompiler:
 def json_schema_grammar(schema: dict[str, Any]) -> str:
     """llguidance's grammar text for a JSON schema (GrammarError if it cannot be one)."""
     try:
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
+        return llguidance.LLMatcher.grammar_from_json_schema(closed_objects(schema),
+                                                              overrides=JSON_OPTIONS)
     except ValueError as e:
         raise GrammarError(str(e)) from None
 

@@ -120,22 +120,37 @@ def test_a_template_without_tools_gets_them_in_the_system_prompt_and_tool_turns(
     assert out[2]["tool_calls"][0]["function"]["arguments"] == "[" * 100_000
 
 
+def next_tokens(use, text: str) -> tuple[list[int], object]:
+    """The tokens the tool grammar allows after `text`, and the tokenizer."""
+    tokenizer = make_tokenizer()
+    compiler = GrammarCompiler(tokenizer, VOCAB_SIZE, [tokenizer.eos_token_id])
+    state = compiler.compile(lark_grammar(tool_grammar(use, None))).start()
+    for token_id in tokenizer.encode(text):
+        state.accept(token_id)
+    return GrammarMasks(VOCAB_SIZE).masks([state])[0].nonzero().flatten().tolist(), tokenizer
+
+
 @pytest.mark.parametrize("choice, parallel, more", [
     ("required", None, True), ("required", False, False),
     ({"type": "function", "function": {"name": "get_weather"}}, None, False)])
 def test_a_named_tool_is_called_once_and_required_as_often_as_parallel_allows(choice, parallel,
                                                                               more):
-    tokenizer = make_tokenizer()
-    compiler = GrammarCompiler(tokenizer, VOCAB_SIZE, [tokenizer.eos_token_id])
-    grammar = tool_grammar(parse_tools([WEATHER], choice, parallel), None)
-    state = compiler.compile(lark_grammar(grammar)).start()
     call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-    for token_id in tokenizer.encode(call):
-        state.accept(token_id)
-    allowed = GrammarMasks(VOCAB_SIZE).masks([state])[0].nonzero().flatten().tolist()
+    allowed, tokenizer = next_tokens(parse_tools([WEATHER], choice, parallel), call)
     newline = tokenizer.convert_tokens_to_ids("\u010a")  # byte-level BPE's "\n"
     assert tokenizer.eos_token_id in allowed
     assert (newline in allowed) is more  # a second call may follow
+
+
+def test_arguments_take_no_keys_their_schema_does_not_list():
+    # No additionalProperties, as pydantic's and LangChain's tool schemas come: the arguments end
+    # after the listed keys (a small model would otherwise write keys of its own).
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "integer"}}}}}
+    allowed, tokenizer = next_tokens(parse_tools([tool], "required", None),
+                                     '<tool_call>\n{"name": "f", "arguments": {"x": 1')
+    assert tokenizer.convert_tokens_to_ids("}") in allowed
+    assert tokenizer.convert_tokens_to_ids(",") not in allowed
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -12,6 +12,7 @@ from server.engine.grammar import (
     GrammarCompiler,
     GrammarError,
     GrammarMasks,
+    closed_objects,
     json_schema_grammar,
     lark_grammar,
 )
@@ -75,6 +76,45 @@ def test_compiled_grammars_are_cached_by_text_and_bounded(tokenizer):
     compiler.compile(texts[1])
     compiler.compile(texts[2])  # evicts texts[0], the least recently used
     assert compiler.compile(texts[0]) is not first and compiler.num_compiled == 4
+
+
+def test_objects_that_list_their_properties_are_closed_to_others():
+    schema = {"type": "object", "properties": {
+        "a": {"type": "object", "properties": {"x": {"const": {"properties": {}}}}},
+        "b": {"type": "array", "items": {"properties": {"q": {}}}},
+        "c": {"anyOf": [{"properties": {"z": {}}}, {"type": "string"}]},
+        "properties": {"type": "object"},  # a property of that name, free-form
+        "d": {"$ref": "#/$defs/D"}, "e": {"$ref": "#/$defs/E"}},
+        "$defs": {"D": {"properties": {"d": {}}, "additionalProperties": True},
+                  "E": {"properties": {"e": {}}, "patternProperties": {"^x": {}}}}}
+    before = json.dumps(schema)
+    closed = closed_objects(schema)
+    assert json.dumps(schema) == before  # not modified in place
+    props = closed["properties"]
+    assert closed["additionalProperties"] is False
+    assert props["a"]["additionalProperties"] is False
+    assert props["a"]["properties"]["x"] == {"const": {"properties": {}}}  # data, untouched
+    assert props["b"]["items"]["additionalProperties"] is False
+    assert props["c"]["anyOf"][0]["additionalProperties"] is False
+    assert props["properties"] == {"type": "object"}
+    assert closed["$defs"]["D"] == schema["$defs"]["D"]  # open where it says so
+    assert closed["$defs"]["E"] == schema["$defs"]["E"]
+    both = {"allOf": [{"properties": {"a": {}}}, {"properties": {"b": {}}}]}
+    assert closed_objects(both) == both  # closing a branch would forbid the other's keys
+    assert closed_objects({"type": "object"}) == {"type": "object"}  # any object (json_object)
+
+
+@pytest.mark.parametrize("extra, more", [({}, False), ({"additionalProperties": True}, True)])
+def test_the_grammar_ends_an_object_after_its_listed_properties(tokenizer, compiler, extra,
+                                                                 more):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, **extra}
+    state = compiler.compile(json_schema_grammar(schema)).start()
+    for token_id in tokenizer.encode('{"a": 1'):
+        state.accept(token_id)
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in (",", "}", "2")}
+    next_ids = allowed(GrammarMasks(VOCAB_SIZE), state)
+    assert ids["}"] in next_ids and ids["2"] in next_ids
+    assert (ids[","] in next_ids) is more
 
 
 @pytest.mark.parametrize("schema, words", [
