@@ -24,7 +24,7 @@ from typing import Any
 from server.api.body import loads
 from server.api.errors import invalid, unsupported
 from server.api.structured import NAME
-from server.engine.grammar import JSON_OPTIONS, closed_objects
+from server.engine.grammar import JSON_OPTIONS, closed_objects, map_schemas
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
@@ -221,9 +221,8 @@ def tool_grammar(use: ToolUse, output_schema: dict[str, Any] | None) -> str | No
     if not use.is_active:
         return None
     tools = [t for t in use.tools if use.choice != "named" or t.name == use.name]
-    schema = {"anyOf": [_call_schema(t) for t in tools]} if len(tools) > 1 else \
-        _call_schema(tools[0])
-    body = f"%json {json.dumps(closed_objects(schema) | {'x-guidance': JSON_OPTIONS})}"
+    schema = closed_objects(_calls_schema(tools)) | {"x-guidance": JSON_OPTIONS}
+    body = f"%json {json.dumps(schema)}"
     call = f'"\\n" call_body "\\n{CALL_CLOSE}"'
     lines = ["%llguidance {}", f"call_body: {body}"]
     if use.choice in ("required", "named"):
@@ -242,7 +241,23 @@ def tool_grammar(use: ToolUse, output_schema: dict[str, Any] | None) -> str | No
     return "\n".join(lines)
 
 
-def _call_schema(tool: Tool) -> dict[str, Any]:
-    return {"type": "object", "properties": {"name": {"const": tool.name},
-                                             "arguments": tool.parameters},
-            "required": ["name", "arguments"], "additionalProperties": False}
+def _calls_schema(tools: list[Tool]) -> dict[str, Any]:
+    """One call of any of `tools`: {"name": its name, "arguments": per its parameters}. Each
+    tool's parameters go under the call schema's `$defs` with their own references ("#",
+    "#/$defs/Address": pydantic writes them so for nested models and enums) rebased there, where
+    they resolve as they did from the parameters' own root."""
+    defs, calls = {}, []
+    for i, tool in enumerate(tools):
+        at = f"#/$defs/tool{i}"
+        defs[f"tool{i}"] = map_schemas(tool.parameters, lambda s, at=at: _rebased(s, at))
+        calls.append({"type": "object", "properties": {"name": {"const": tool.name},
+                                                       "arguments": {"$ref": at}},
+                      "required": ["name", "arguments"], "additionalProperties": False})
+    return (calls[0] if len(calls) == 1 else {"anyOf": calls}) | {"$defs": defs}
+
+
+def _rebased(schema: dict[str, Any], at: str) -> dict[str, Any]:
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        return schema | {"$ref": at + ref[1:]}
+    return schema

@@ -49,46 +49,40 @@ def closed_objects(schema: Any) -> Any:
     model given that freedom writes keys of its own until max_tokens cuts it off. A schema with
     an `allOf` of several branches is left as it is (closing each branch would forbid the
     others' properties). Not modified in place."""
-    if _has_intersection(schema):
+    if any(isinstance(s.get("allOf"), list) and len(s["allOf"]) > 1 for s in schemas_in(schema)):
         return schema
-    return _closed(schema)
+    return map_schemas(schema, _closed)
 
 
-def _closed(schema: Any) -> Any:
+def _closed(schema: dict[str, Any]) -> dict[str, Any]:
+    if isinstance(schema.get("properties"), dict) and not any(k in schema for k in _OPEN_KEYS):
+        return schema | {"additionalProperties": False}
+    return schema
+
+
+def map_schemas(schema: Any, fn) -> Any:
+    """A copy of the schema with `fn` applied to it and to each of its subschemas, innermost
+    first (never to data: const, enum, default, examples)."""
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
     for key in _SUBSCHEMA:
         if isinstance(out.get(key), dict):
-            out[key] = _closed(out[key])
+            out[key] = map_schemas(out[key], fn)
     for key in _SUBSCHEMAS:
         if isinstance(out.get(key), list):
-            out[key] = [_closed(s) for s in out[key]]
+            out[key] = [map_schemas(s, fn) for s in out[key]]
     for key in _SCHEMA_MAPS:
         if isinstance(out.get(key), dict):
-            out[key] = {name: _closed(s) for name, s in out[key].items()}
-    if isinstance(out.get("properties"), dict) and not any(k in out for k in _OPEN_KEYS):
-        out["additionalProperties"] = False
-    return out
+            out[key] = {name: map_schemas(s, fn) for name, s in out[key].items()}
+    return fn(out)
 
 
-def _has_intersection(schema: Any) -> bool:
-    if not isinstance(schema, dict):
-        return False
-    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
-        return True
-    return any(_has_intersection(s) for s in _children(schema))
-
-
-def _children(schema: dict[str, Any]):
-    """The schema's direct subschemas (those _closed rebuilds)."""
-    yield from (schema.get(key) for key in _SUBSCHEMA)
-    for key in _SUBSCHEMAS:
-        if isinstance(schema.get(key), list):
-            yield from schema[key]
-    for key in _SCHEMA_MAPS:
-        if isinstance(schema.get(key), dict):
-            yield from schema[key].values()
+def schemas_in(schema: Any) -> list[dict[str, Any]]:
+    """The schema and all its subschemas."""
+    found: list[dict[str, Any]] = []
+    map_schemas(schema, lambda s: found.append(s) or s)
+    return found
 
 
 class GrammarError(ValueError):

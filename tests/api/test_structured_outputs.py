@@ -148,6 +148,26 @@ def test_forced_tool_choice_calls_with_valid_arguments(client, choice):
     jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
 
 
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_tool_whose_parameters_refer_to_their_own_defs(client, strict):
+    # pydantic puts nested models and enums under $defs and refers to them from the
+    # parameters' root ("#/$defs/Address"); openai.pydantic_function_tool closes every object,
+    # a plain model_json_schema() does not (its objects take no other keys here all the same).
+    import openai
+
+    tool = openai.pydantic_function_tool(Person) if strict else {"type": "function", "function": {
+        "name": "Person", "parameters": Person.model_json_schema()}}
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Describe a person."}], tools=[tool],
+        tool_choice={"type": "function", "function": {"name": "Person"}}, temperature=0,
+        max_tokens=MAX_TOKENS)
+    assert r.choices[0].finish_reason == "tool_calls"
+    [call] = r.choices[0].message.tool_calls
+    arguments = json.loads(call.function.arguments)
+    assert Person.model_validate(arguments)
+    assert set(arguments) == set(Person.model_fields)  # no key of the model's own
+
+
 def test_streamed_tool_call_reassembles_into_the_whole_one(client):
     kw = dict(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required",
               temperature=0, max_tokens=200)

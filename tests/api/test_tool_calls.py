@@ -153,6 +153,26 @@ def test_arguments_take_no_keys_their_schema_does_not_list():
     assert tokenizer.convert_tokens_to_ids(",") not in allowed
 
 
+def test_each_tools_references_resolve_in_its_own_parameters():
+    # Two tools whose parameters both define "Color" under $defs, pydantic's way.
+    def tool(name, colors):
+        return {"type": "function", "function": {"name": name, "parameters": {
+            "type": "object", "properties": {"color": {"$ref": "#/$defs/Color"},
+                                             "more": {"$ref": "#"}},
+            "required": ["color"], "$defs": {"Color": {"enum": colors}}}}}
+
+    def firsts(text: str) -> set[str]:  # the first letters the grammar allows next
+        allowed, tokenizer = next_tokens(use, text)
+        return {t[0] for t in tokenizer.convert_ids_to_tokens(allowed)}
+
+    use = parse_tools([tool("a", ["red"]), tool("b", ["blue"])], "required", None)
+    assert firsts('<tool_call>\n{"name": "a", "arguments": {"color": "') == {"r"}
+    assert firsts('<tool_call>\n{"name": "b", "arguments": {"color": "') == {"b"}
+    # "#" is the parameters' own root: "more" holds another arguments object of tool b
+    assert firsts('<tool_call>\n{"name": "b", "arguments": {"color": "blue", "more": '
+                  '{"color": "') == {"b"}
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_required_calls_with_n_seed_and_logprobs(client, stream):
     kw = dict(model=MODEL, messages=[{"role": "user", "content": "Weather?"}],
