@@ -48,16 +48,20 @@ def closed_objects(schema: Any) -> Any:
     llama.cpp's grammars do: JSON Schema lets such an object take any other key, and a small
     model given that freedom writes keys of its own until max_tokens cuts it off. A schema with
     an `allOf` of several branches is left as it is (closing each branch would forbid the
-    others' properties). Not modified in place."""
+    others' properties), and so is an object that requires a key it does not list. Not
+    modified in place."""
     if any(isinstance(s.get("allOf"), list) and len(s["allOf"]) > 1 for s in schemas_in(schema)):
         return schema
     return map_schemas(schema, _closed)
 
 
 def _closed(schema: dict[str, Any]) -> dict[str, Any]:
-    if isinstance(schema.get("properties"), dict) and not any(k in schema for k in _OPEN_KEYS):
+    props, required = schema.get("properties"), schema.get("required")
+    if not isinstance(props, dict) or any(k in schema for k in _OPEN_KEYS):
+        return schema
+    if not isinstance(required, list) or all(k in props for k in required if isinstance(k, str)):
         return schema | {"additionalProperties": False}
-    return schema
+    return schema  # it requires a key it does not list: closing it would forbid that key
 
 
 def map_schemas(schema: Any, fn) -> Any:

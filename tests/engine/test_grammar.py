@@ -102,6 +102,8 @@ def test_objects_that_list_their_properties_are_closed_to_others():
     both = {"allOf": [{"properties": {"a": {}}}, {"properties": {"b": {}}}]}
     assert closed_objects(both) == both  # closing a branch would forbid the other's keys
     assert closed_objects({"type": "object"}) == {"type": "object"}  # any object (json_object)
+    unlisted = {"properties": {"a": {}}, "required": ["a", "b"]}  # "b" can only be another key
+    assert closed_objects(unlisted) == unlisted
 
 
 @pytest.mark.parametrize("extra, more", [({}, False), ({"additionalProperties": True}, True)])
