@@ -100,8 +100,11 @@ class _Run:
                 "index": index, "delta": delta, "logprobs": logprobs,
                 "finish_reason": finish}]) | extra
 
+        # A reply that can only be calls has null content, streamed as it is whole.
+        use = self.req.tool_use
+        only_calls = self.calls_tools and use is not None and use.choice in ("required", "named")
         for i in range(self.req.params.n):
-            yield event(i, {"role": "assistant", "content": ""})
+            yield event(i, {"role": "assistant", "content": None if only_calls else ""})
         async for piece in parts:
             chunk = piece.chunk
             self.count.add(chunk)

@@ -179,7 +179,7 @@ def test_streamed_tool_call_reassembles_into_the_whole_one(client):
             if event.type != "chunk" or not event.chunk.choices:
                 continue
             c = event.chunk.choices[0]
-            assert not c.delta.content  # never raw <tool_call> text as content
+            assert c.delta.content is None  # never raw <tool_call> text, nor "": calls only
             for d in c.delta.tool_calls or []:
                 entry = calls.setdefault(d.index, {"name": "", "arguments": "", "id": d.id})
                 entry["name"] += d.function.name or ""
@@ -190,6 +190,7 @@ def test_streamed_tool_call_reassembles_into_the_whole_one(client):
     expected = [(t.function.name, t.function.arguments) for t in whole.message.tool_calls]
     assert [(c["name"], c["arguments"]) for c in calls.values()] == expected
     assert [(t.function.name, t.function.arguments) for t in final.tool_calls] == expected
+    assert final.content is None and whole.message.content is None
 
 
 def test_tool_choice_none_answers_text(client):
