@@ -135,6 +135,9 @@ def _turns(v: Any) -> list[dict[str, Any]]:
         if not isinstance(blocks, list):
             raise invalid(f"{where}.content", f"{where}.content: Input should be a valid "
                           "string or list of content blocks")
+        if not content and (role == "user" or i < len(v) - 1):
+            raise invalid(where, f"{where}: all messages must have non-empty content except "
+                          "for the optional final assistant message")
         out += _user_turn(blocks, where) if role == "user" else [_assistant_turn(blocks, where)]
     return out
 

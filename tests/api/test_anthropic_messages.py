@@ -240,6 +240,14 @@ def test_errors_are_in_anthropics_envelope(anthropic_client, server):
                    json={"model": MODEL, "max_tokens": 5, "bogus": 1,
                          "messages": [{"role": "user", "content": "hi"}]})
     assert r.json()["error"]["message"] == "bogus: Extra inputs are not permitted"
+    for messages in ([{"role": "user", "content": []}],  # was a 500
+                     [{"role": "user", "content": ""}],
+                     [{"role": "user", "content": "hi"}, {"role": "assistant", "content": []},
+                      {"role": "user", "content": "and?"}]):
+        r = httpx.post(f"{server.url}/v1/messages", headers={"x-api-key": API_KEY},
+                       json={"model": MODEL, "max_tokens": 5, "messages": messages})
+        assert r.status_code == 400, messages
+        assert "must have non-empty content" in r.json()["error"]["message"]
     with pytest.raises(anthropic.NotFoundError) as e:
         anthropic_client.messages.create(model="claude-nonexistent", max_tokens=8,
                                          messages=[{"role": "user", "content": "hi"}])
