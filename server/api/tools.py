@@ -24,7 +24,7 @@ from typing import Any
 from server.api.body import loads
 from server.api.errors import invalid, unsupported
 from server.api.structured import NAME
-from server.engine.grammar import JSON_OPTIONS, closed_objects, map_schemas
+from server.engine.grammar import JSON_OPTIONS, closed_objects, map_schemas, schemas_in
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
@@ -245,11 +245,13 @@ def _calls_schema(tools: list[Tool]) -> dict[str, Any]:
     """One call of any of `tools`: {"name": its name, "arguments": per its parameters}. Each
     tool's parameters go under the call schema's `$defs` with their own references ("#",
     "#/$defs/Address": pydantic writes them so for nested models and enums) rebased there, where
-    they resolve as they did from the parameters' own root."""
+    they resolve as they did from the parameters' own root. Parameters that declare an `$id`
+    are their own resource, whose references resolve within it: those stay as written."""
     defs, calls = {}, []
     for i, tool in enumerate(tools):
-        at = f"#/$defs/tool{i}"
-        defs[f"tool{i}"] = map_schemas(tool.parameters, lambda s, at=at: _rebased(s, at))
+        at, params = f"#/$defs/tool{i}", tool.parameters
+        own = any("$id" in s for s in schemas_in(params))
+        defs[f"tool{i}"] = params if own else map_schemas(params, lambda s, at=at: _rebased(s, at))
         calls.append({"type": "object", "properties": {"name": {"const": tool.name},
                                                        "arguments": {"$ref": at}},
                       "required": ["name", "arguments"], "additionalProperties": False})

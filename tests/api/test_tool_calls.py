@@ -171,6 +171,11 @@ def test_each_tools_references_resolve_in_its_own_parameters():
     # "#" is the parameters' own root: "more" holds another arguments object of tool b
     assert firsts('<tool_call>\n{"name": "b", "arguments": {"color": "blue", "more": '
                   '{"color": "') == {"b"}
+    # parameters with an $id are a resource of their own: their references resolve within it
+    own = tool("c", ["green"])
+    own["function"]["parameters"]["$id"] = "https://example.com/c.json"
+    use = parse_tools([tool("a", ["red"]), own], "required", None)
+    assert firsts('<tool_call>\n{"name": "c", "arguments": {"color": "') == {"g"}
 
 
 @pytest.mark.parametrize("stream", [False, True])
