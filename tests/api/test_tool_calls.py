@@ -12,6 +12,7 @@ from server.api.tool_calls import ToolCallParser, openai_deltas
 from server.api.tools import hermes_system_prompt, parse_tools, tool_grammar, tool_messages
 from server.engine.grammar import GrammarCompiler, GrammarMasks, lark_grammar
 from tests.api.conftest import MODEL
+from tests.engine.test_grammar import allowed
 from tests.helpers import CHAT_TEMPLATE, VOCAB_SIZE, make_tokenizer
 
 
@@ -127,7 +128,7 @@ def next_tokens(use, text: str) -> tuple[list[int], object]:
     state = compiler.compile(lark_grammar(tool_grammar(use, None))).start()
     for token_id in tokenizer.encode(text):
         state.accept(token_id)
-    return GrammarMasks(VOCAB_SIZE).masks([state])[0].nonzero().flatten().tolist(), tokenizer
+    return allowed(GrammarMasks(VOCAB_SIZE), state), tokenizer
 
 
 @pytest.mark.parametrize("choice, parallel, more", [
@@ -136,10 +137,10 @@ def next_tokens(use, text: str) -> tuple[list[int], object]:
 def test_a_named_tool_is_called_once_and_required_as_often_as_parallel_allows(choice, parallel,
                                                                               more):
     call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-    allowed, tokenizer = next_tokens(parse_tools([WEATHER], choice, parallel), call)
+    next_ids, tokenizer = next_tokens(parse_tools([WEATHER], choice, parallel), call)
     newline = tokenizer.convert_tokens_to_ids("\u010a")  # byte-level BPE's "\n"
-    assert tokenizer.eos_token_id in allowed
-    assert (newline in allowed) is more  # a second call may follow
+    assert tokenizer.eos_token_id in next_ids
+    assert (newline in next_ids) is more  # a second call may follow
 
 
 def test_arguments_take_no_keys_their_schema_does_not_list():
@@ -147,10 +148,10 @@ def test_arguments_take_no_keys_their_schema_does_not_list():
     # after the listed keys (a small model would otherwise write keys of its own).
     tool = {"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"x": {"type": "integer"}}}}}
-    allowed, tokenizer = next_tokens(parse_tools([tool], "required", None),
+    next_ids, tokenizer = next_tokens(parse_tools([tool], "required", None),
                                      '<tool_call>\n{"name": "f", "arguments": {"x": 1')
-    assert tokenizer.convert_tokens_to_ids("}") in allowed
-    assert tokenizer.convert_tokens_to_ids(",") not in allowed
+    assert tokenizer.convert_tokens_to_ids("}") in next_ids
+    assert tokenizer.convert_tokens_to_ids(",") not in next_ids
 
 
 def test_each_tools_references_resolve_in_its_own_parameters():
@@ -162,8 +163,8 @@ def test_each_tools_references_resolve_in_its_own_parameters():
             "required": ["color"], "$defs": {"Color": {"enum": colors}}}}}
 
     def firsts(text: str) -> set[str]:  # the first letters the grammar allows next
-        allowed, tokenizer = next_tokens(use, text)
-        return {t[0] for t in tokenizer.convert_ids_to_tokens(allowed)}
+        next_ids, tokenizer = next_tokens(use, text)
+        return {t[0] for t in tokenizer.convert_ids_to_tokens(next_ids)}
 
     use = parse_tools([tool("a", ["red"]), tool("b", ["blue"])], "required", None)
     assert firsts('<tool_call>\n{"name": "a", "arguments": {"color": "') == {"r"}
