@@ -191,6 +191,7 @@ def create_app(settings: ServerSettings, state: ServerState | None = None) -> St
         Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
         Route("/v1/completions", create_completion, methods=["POST"]),
         Route("/v1/responses", responses.create_response, methods=["POST"]),
+        Route("/v1/responses/input_tokens", responses.count_input_tokens, methods=["POST"]),
         Route("/v1/responses/{response_id}", responses.get_response, methods=["GET"]),
         Route("/v1/responses/{response_id}", responses.delete_response, methods=["DELETE"]),
         Route("/v1/responses/{response_id}/input_items", responses.list_input_items,

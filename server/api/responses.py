@@ -1,5 +1,5 @@
-"""POST /v1/responses, GET and DELETE /v1/responses/{id}: OpenAI's Responses API over the same
-turn as chat (turn.py).
+"""POST /v1/responses, GET and DELETE /v1/responses/{id}, POST /v1/responses/input_tokens:
+OpenAI's Responses API over the same turn as chat (turn.py).
 
 A response's output is its items in the order the model wrote them: a `message` with one
 `output_text` part for text, a `function_call` per tool call. Stored responses (`store`,
@@ -20,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from server.api.auth import tenant
+from server.api.body import read_json
 from server.api.errors import APIError, invalid
 from server.api.files import int_param, page
 from server.api.responses_protocol import ResponsesRequest, parse_responses_request
@@ -37,6 +38,23 @@ async def responses_answer(state: ServerState, body: dict[str, Any], salt: str, 
                            ) -> dict[str, Any]:
     """The response a plain request with this body gets (for the batch queue)."""
     return await answer_for_batch(state, body, salt, priority, parse_responses_request, _start)
+
+
+async def count_input_tokens(request: Request) -> Response:
+    """POST /v1/responses/input_tokens: the input tokens a response to this body would take
+    (instructions, previous_response_id's conversation and tools included), without running
+    it. `model` may be left out, as OpenAI allows."""
+    state: ServerState = request.app.state.server
+    body = await read_json(request, state.settings.max_body_bytes)
+    state.ready_engine()
+    if isinstance(body, dict) and body.get("model") is None:
+        body = body | {"model": state.served_name}
+    req = parse_responses_request(body, state.vocab_size)
+    state.check_model(req.model)
+    system, conversation = await _conversation(state, req, tenant(request))
+    chat = replace(req.chat, messages=system + conversation)
+    count = await count_prompt_tokens(state, chat, "input")
+    return JSONResponse({"object": "response.input_tokens", "input_tokens": count})
 
 
 async def get_response(request: Request) -> Response:
@@ -112,12 +130,7 @@ def _not_found(response_id: str, param: str | None) -> APIError:
 
 async def _start(state: ServerState, req: ResponsesRequest, salt: str, priority: int
                  ) -> Generation:
-    history: list[dict[str, Any]] = []
-    if req.previous_response_id is not None:
-        _, history = await _stored(state, salt, req.previous_response_id,
-                                   "previous_response_id")
-    conversation = history + req.chat.messages
-    system = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    system, conversation = await _conversation(state, req, salt)
 
     async def start(messages: list[dict[str, Any]]) -> Turn:
         chat = replace(req.chat, messages=system + messages)
@@ -132,6 +145,18 @@ async def _start(state: ServerState, req: ResponsesRequest, salt: str, priority:
         turn = await start(await _fitting_tail(state, req, system, conversation))
     run = _Run(state, req, turn, conversation, salt)  # stored whole: only this turn is cut
     return Generation(run.collect, run.stream)
+
+
+async def _conversation(state: ServerState, req: ResponsesRequest, salt: str
+                        ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(the instructions as a system message or nothing, the conversation: the previous
+    response's stored one, then the input)."""
+    history: list[dict[str, Any]] = []
+    if req.previous_response_id is not None:
+        _, history = await _stored(state, salt, req.previous_response_id,
+                                   "previous_response_id")
+    system = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    return system, history + req.chat.messages
 
 
 async def _fitting_tail(state: ServerState, req: ResponsesRequest,

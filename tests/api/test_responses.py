@@ -261,6 +261,28 @@ def test_truncation_cuts_drop_tool_results_with_their_call():
     assert _cuts([m("user")]) == [0]
 
 
+def test_input_tokens_count_what_a_response_takes(client):
+    import openai
+
+    kw = dict(input="What is 2 + 3?", instructions="Be brief.", tools=[ADD])
+    counted = client.responses.input_tokens.count(model=MODEL, **kw)
+    assert counted.object == "response.input_tokens"
+    r = client.responses.create(model=MODEL, max_output_tokens=4, **GREEDY, **kw)
+    assert counted.input_tokens == r.usage.input_tokens
+    first = client.responses.create(model=MODEL, input="Hello there", max_output_tokens=4,
+                                    **GREEDY)
+    # a stored conversation before the input, and `model` left out (OpenAI allows it)
+    follow = client.responses.input_tokens.count(input="And you?", previous_response_id=first.id)
+    r = client.responses.create(model=MODEL, input="And you?", previous_response_id=first.id,
+                                max_output_tokens=4, **GREEDY)
+    assert follow.input_tokens == r.usage.input_tokens > first.usage.input_tokens
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_tokens.count(input="Hi", previous_response_id="resp_nope")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.input_tokens.count(model=MODEL, input=5)
+    assert e.value.body["param"] == "input"
+
+
 def test_bad_requests_name_the_field(client):
     import openai
 
