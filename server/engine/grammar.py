@@ -40,19 +40,30 @@ _SUBSCHEMA = ("items", "additionalItems", "contains", "not", "if", "then", "else
 _SUBSCHEMAS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
 _SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
 _OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+# Beside `properties`, keywords whose subschemas constrain the same object (and may name other
+# keys), or name keys of their own: such a schema is left as written.
+_JOINED = ("anyOf", "oneOf", "allOf", "$ref", "if", "then", "else", "dependentSchemas",
+           "dependentRequired")
 
 
 def closed_objects(schema: Any) -> Any:
     """The schema with every object that lists its `properties` and says nothing of others
     closed to them (`additionalProperties: false`), as vLLM's (xgrammar's strict mode) and
     llama.cpp's grammars do: JSON Schema lets such an object take any other key, and a small
-    model given that freedom writes keys of its own until max_tokens cuts it off. A schema with
-    an `allOf` of several branches is left as it is (closing each branch would forbid the
-    others' properties), and so is an object that requires a key it does not list. Not
+    model given that freedom writes keys of its own until max_tokens cuts it off. A schema that
+    joins subschemas to an object's (an `allOf` of several branches; `properties` beside
+    `anyOf`, `oneOf`, `$ref`, `if`...) is left as it is, whole: closing one part would forbid
+    the keys another allows. So is an object that requires a key it does not list. Not
     modified in place."""
-    if any(isinstance(s.get("allOf"), list) and len(s["allOf"]) > 1 for s in schemas_in(schema)):
+    if any(_joined(s) for s in schemas_in(schema)):
         return schema
     return map_schemas(schema, _closed)
+
+
+def _joined(schema: dict[str, Any]) -> bool:
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        return True
+    return "properties" in schema and any(k in schema for k in _JOINED)
 
 
 def _closed(schema: dict[str, Any]) -> dict[str, Any]:

@@ -101,6 +101,12 @@ def test_objects_that_list_their_properties_are_closed_to_others():
     assert closed["$defs"]["E"] == schema["$defs"]["E"]
     both = {"allOf": [{"properties": {"a": {}}}, {"properties": {"b": {}}}]}
     assert closed_objects(both) == both  # closing a branch would forbid the other's keys
+    for joined in ({"properties": {"a": {}}, "anyOf": [{"required": ["b"]}, {"required": ["c"]}]},
+                   {"properties": {"a": {}}, "oneOf": [{"properties": {"b": {}}}]},
+                   {"properties": {"a": {}}, "$ref": "#/$defs/B",
+                    "$defs": {"B": {"properties": {"b": {}}}}}):
+        assert closed_objects(joined) == joined  # its parts allow keys the properties omit
+        json_schema_grammar(joined)  # and it compiles, as it did before objects were closed
     assert closed_objects({"type": "object"}) == {"type": "object"}  # any object (json_object)
     unlisted = {"properties": {"a": {}}, "required": ["a", "b"]}  # "b" can only be another key
     assert closed_objects(unlisted) == unlisted
