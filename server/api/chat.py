@@ -101,8 +101,7 @@ class _Run:
                 "finish_reason": finish}]) | extra
 
         # A reply that can only be calls has null content, streamed as it is whole.
-        use = self.req.tool_use
-        only_calls = self.calls_tools and use is not None and use.choice in ("required", "named")
+        only_calls = self.calls_tools and self.req.tool_use.forced
         for i in range(self.req.params.n):
             yield event(i, {"role": "assistant", "content": None if only_calls else ""})
         async for piece in parts:

@@ -51,6 +51,11 @@ class ToolUse:
         """Tools are offered to the model (and its output parsed for calls)."""
         return self.choice != "none"
 
+    @property
+    def forced(self) -> bool:
+        """The output is calls only ("required" or a named tool)."""
+        return self.choice in ("required", "named")
+
 
 def parse_tools(tools: Any, choice: Any, parallel: Any) -> ToolUse | None:
     """`tools`, `tool_choice`, `parallel_tool_calls` (400 naming the field at fault)."""
@@ -225,7 +230,7 @@ def tool_grammar(use: ToolUse, output_schema: dict[str, Any] | None) -> str | No
     body = f"%json {json.dumps(schema)}"
     call = f'"\\n" call_body "\\n{CALL_CLOSE}"'
     lines = ["%llguidance {}", f"call_body: {body}"]
-    if use.choice in ("required", "named"):
+    if use.forced:
         one = f'"{CALL_OPEN}" {call}'
         several = use.parallel and use.choice == "required"
         lines.append(f'start: {one} ("\\n" {one})*' if several else f"start: {one}")
