@@ -24,7 +24,7 @@ from typing import Any
 from server.api.body import loads
 from server.api.errors import invalid, unsupported
 from server.api.structured import NAME
-from server.engine.grammar import JSON_OPTIONS, closed_objects, map_schemas, schemas_in
+from server.engine.grammar import lark_json, map_schemas, schemas_in
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
@@ -226,19 +226,17 @@ def tool_grammar(use: ToolUse, output_schema: dict[str, Any] | None) -> str | No
     if not use.is_active:
         return None
     tools = [t for t in use.tools if use.choice != "named" or t.name == use.name]
-    schema = closed_objects(_calls_schema(tools)) | {"x-guidance": JSON_OPTIONS}
-    body = f"%json {json.dumps(schema)}"
+    body = lark_json(_calls_schema(tools))
     call = f'"\\n" call_body "\\n{CALL_CLOSE}"'
+    one = f'"{CALL_OPEN}" {call}'
     lines = ["%llguidance {}", f"call_body: {body}"]
     if use.forced:
-        one = f'"{CALL_OPEN}" {call}'
         several = use.parallel and use.choice == "required"
         lines.append(f'start: {one} ("\\n" {one})*' if several else f"start: {one}")
     elif output_schema is not None:  # auto with a response format: the JSON answer or calls
-        answer = json.dumps(closed_objects(output_schema) | {"x-guidance": JSON_OPTIONS})
-        one = f'"{CALL_OPEN}" {call}'
+        answer = lark_json(output_schema)
         calls = f'{one} ("\\n" {one})*' if use.parallel else one
-        lines += [f"answer: %json {answer}", f"start: answer | {calls}"]
+        lines += [f"answer: {answer}", f"start: answer | {calls}"]
     else:  # auto: free text; once the model writes the opening tag, a well-formed call
         lines += [f'call_head[lazy]: TEXT "{CALL_OPEN}"', f"tool_call: call_head {call}",
                   "TEXT: /(.|\\n)*/"]

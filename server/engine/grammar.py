@@ -19,6 +19,7 @@ token (its precomputed cache), but both are two orders below a decode step here.
 from __future__ import annotations
 
 import hashlib
+import json
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
@@ -179,6 +180,12 @@ def json_schema_grammar(schema: dict[str, Any]) -> str:
                                                               overrides=JSON_OPTIONS)
     except ValueError as e:
         raise GrammarError(str(e)) from None
+
+
+def lark_json(schema: dict[str, Any]) -> str:
+    """A Lark rule's body for a JSON schema (`%json {...}`), with json_schema_grammar's options
+    and closed objects."""
+    return f"%json {json.dumps(closed_objects(schema) | {'x-guidance': JSON_OPTIONS})}"
 
 
 def lark_grammar(lark: str) -> str:
