@@ -62,9 +62,7 @@ class ModelRunner:
                 t[:, d:d + n] = t[:, s:s + n]
 
     def release(self, seq) -> None:
-        """A sequence left the engine: drop its sampling state (its seeded generator) and
-        pooling sum."""
-        self.sampler.release(seq)
+        """A sequence left the engine: drop its pooling sum."""
         self.pooled_sums.pop(seq.seq_id, None)
 
     @torch.inference_mode()

@@ -1,9 +1,11 @@
 """Batched sampling: penalties, logit bias, greedy, temperature / top-k / top-p / min-p, seeds.
 
-Rows with a seed draw from their own generator, so a seeded request gives the same text whatever
-else shares the batch. Sampling inverts the row's cumulative distribution (in fp64) at one
-uniform draw per row: the exponential race (argmax(p / E), E ~ Exp(1)) needed a noise vector the
-size of the vocabulary per row, 31 ms a step at 32 rows of a 49,152-token vocabulary (two CPU
+Rows with a seed draw from a generator seeded with the seed and the token's place in the output,
+so a seeded request gives the same text whatever else shares the batch, after a preemption, and
+whether its tokens come one a step or several (predicted outputs: speculation.py).
+Sampling inverts the row's cumulative distribution (in fp64) at one uniform draw per row: the
+exponential race (argmax(p / E), E ~ Exp(1)) needed a noise vector the size of the vocabulary per
+row, 31 ms a step at 32 rows of a 49,152-token vocabulary (two CPU
 cores) against a forward of ~20 ms; one draw a row takes 8-9 ms there, all told. Top-k and top-p
 read the top of each row with `topk` instead of sorting the vocabulary (top-p sorts a row whose
 top does not hold its mass): 32 rows with top-p 9-16 ms a step, 73-78 before.
@@ -13,6 +15,7 @@ so nothing lifts a disallowed token back); reported logprobs stay the model's ow
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -35,15 +38,12 @@ class SampleResult:
 
 class Sampler:
     def __init__(self, vocab_size: int) -> None:
-        self.generators: dict[int, torch.Generator] = {}  # seq_id -> seeded generator
         self._cdf_buffer: torch.Tensor | None = None
         self.grammar_masks = GrammarMasks(vocab_size)
 
-    def release(self, seq: Sequence) -> None:
-        self.generators.pop(seq.seq_id, None)
-
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
-        """logits: [N, vocab] fp32, one row per sampling sequence (modified in place)."""
+        """logits: [N, vocab] fp32, one row per sampling sequence (modified in place); a
+        sequence with drafts has a row for each, in a run (its next tokens in order)."""
         raw_logprobs = None
         max_top = max(s.params.top_logprobs if s.params.logprobs else 0 for s in seqs)
         if any(s.params.logprobs for s in seqs):
@@ -67,7 +67,9 @@ class Sampler:
             sub = self._truncate(sub, [seqs[i] for i in random_rows])
             probs = torch.softmax(sub, dim=-1)
             cdf = self._cdf(probs)
-            draws = torch.cat([self._uniform(seqs[i]) for i in random_rows]).to(cdf.device)
+            places = _output_places(seqs)
+            draws = torch.cat([self._uniform(seqs[i], places[i]) for i in random_rows]
+                              ).to(cdf.device)
             picked = torch.searchsorted(cdf, (draws * cdf[:, -1])[:, None], right=True)[:, 0]
             picked.clamp_(max=cdf.shape[1] - 1)
             # A draw that rounds to the very top can land past the last token with any mass:
@@ -105,17 +107,17 @@ class Sampler:
                                                  device=probs.device)
         return torch.cumsum(probs, dim=-1, dtype=torch.float64, out=buf[:n])
 
-    def _uniform(self, seq: Sequence) -> torch.Tensor:
-        """One draw in [0, 1) (fp64, [1]) from the row's own generator if it has a seed. Drawn
-        on the CPU whatever the device: a seed gives the same draws on a GPU (one copy a step,
-        not a launch a row)."""
+    @staticmethod
+    def _uniform(seq: Sequence, place: int) -> torch.Tensor:
+        """One draw in [0, 1) (fp64, [1]); with a seed, from a generator keyed by the seed and
+        the token's place in the output, so a token's draw is its own. Drawn on the CPU whatever
+        the device: a seed gives the same draws on a GPU (one copy a step, not a launch a row)."""
         seed = seq.params.seed
         if seed is None:
             return torch.rand(1, dtype=torch.float64)
-        gen = self.generators.get(seq.seq_id)
-        if gen is None:
-            gen = self.generators[seq.seq_id] = torch.Generator()
-            gen.manual_seed(seed)
+        key = hashlib.blake2b(f"{seed}:{place}".encode(), digest_size=8).digest()
+        gen = torch.Generator()
+        gen.manual_seed(int.from_bytes(key, "little"))
         return torch.rand(1, dtype=torch.float64, generator=gen)
 
     @staticmethod
@@ -173,6 +175,16 @@ class Sampler:
                                                                     device=logits.device)[:, None]
             logits = logits.masked_fill(probs < floor, float("-inf"))
         return logits
+
+
+def _output_places(seqs: list[Sequence]) -> list[int]:
+    """Each row's place in its sequence's output: the next token's, plus the row's place in
+    the sequence's run of rows (its drafts)."""
+    places, prev = [], None
+    for seq in seqs:
+        places.append(places[-1] + 1 if seq is prev else seq.num_output_tokens)
+        prev = seq
+    return places
 
 
 def chosen_first(ids: list[int], logprobs: list[float], chosen: int) -> list[tuple[int, float]]:

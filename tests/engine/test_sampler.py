@@ -113,6 +113,7 @@ def test_a_seeded_row_draws_the_same_alone_and_batched():
         draws_alone.append(alone(row.clone(), [mine]).token_ids.item())
         batch = torch.cat([flat, row, row])
         draws_batched.append(batched(batch, [others[0], mine, others[1]]).token_ids[1].item())
+        mine.token_ids.append(0)  # the next step draws for the output's next place
     assert draws_alone == draws_batched
     allowed = set(row[0].topk(50).indices.tolist())
     assert set(draws_alone) <= allowed and len(set(draws_alone)) > 1
@@ -123,7 +124,7 @@ def test_a_draw_at_the_very_top_never_hands_out_a_masked_token(monkeypatch):
     the sampler then keeps to tokens of nonzero probability (here top-k masks the last ones)."""
     sampler = Sampler(5)
     monkeypatch.setattr(sampler, "_uniform",
-                        lambda seq: torch.ones(1, dtype=torch.float64))
+                        lambda seq, place: torch.ones(1, dtype=torch.float64))
     logits = torch.tensor([[0.0, 3.0, 2.0, 1.0, -1.0]])
     for k in (2, 3, 4):
         got = sampler(logits.clone(), seqs(SamplingParams(temperature=1.0, top_k=k)))
