@@ -40,6 +40,8 @@ class CompletionChunk:
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
     embedding: list[float] | None = None  # an embedding request's vector (its one chunk)
+    num_accepted_prediction: int = 0  # predicted outputs: drafts kept so far
+    num_rejected_prediction: int = 0  # and drafts computed and dropped
 
 
 @dataclass(slots=True)
@@ -232,18 +234,26 @@ class AsyncEngine:
                     self.engine.abort(seq)
 
     def _deliver(self, step: StepOutput) -> None:
-        touched = [s for s, f in zip(step.scheduled.seqs, step.scheduled.is_sampling,
-                                     strict=True) if f]
+        out = step.scheduled
+        # the sequences that gained tokens: one, or several with a prediction (speculation.py)
+        touched = [(s, n) for s, n in zip(out.seqs, out.num_kept, strict=True) if n]
         # One wake-up of each event loop per step, not one per chunk.
         batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
-        for seq in touched:
+        for seq, num_kept in touched:
             req = self._requests.get(seq.request_id)
             if req is None:
                 continue
             index = req.seqs.index(seq)
             detok = req.detokenizers[index]
-            token = seq.token_ids[-1]
-            text = detok.add(token)
+            tokens = seq.token_ids[-num_kept:]
+            text = ""
+            for i, token in enumerate(tokens):
+                text += detok.add(token)
+                if detok.stopped_by is not None:  # a stop string: the tokens after it go
+                    if i + 1 < num_kept:
+                        del seq.token_ids[i + 1 - num_kept:], seq.logprobs[i + 1 - num_kept:]
+                        tokens = tokens[:i + 1]
+                    break
             status = seq.status
             if detok.stopped_by is not None and not status.is_finished:
                 self.engine.abort(seq, SequenceStatus.FINISHED_STOPPED)
@@ -251,12 +261,14 @@ class AsyncEngine:
             if status.is_finished:
                 text += detok.flush() if detok.stopped_by is None else ""
             logprobs = None
-            if seq.params.logprobs:  # one entry per sampled token, this step's is the last
-                lp, tops = seq.logprobs[-1]
-                logprobs = [(token, lp, tops)]
+            if seq.params.logprobs:  # one entry per sampled token, this step's are the last
+                logprobs = [(token, lp, tops) for token, (lp, tops) in zip(
+                    tokens, seq.logprobs[-len(tokens):], strict=True)]
             chunk = CompletionChunk(
-                index, text, [token], seq.finish_reason, detok.stopped_by, logprobs,
-                seq.num_prompt_tokens, seq.num_cached_tokens, seq.num_output_tokens)
+                index, text, tokens, seq.finish_reason, detok.stopped_by, logprobs,
+                seq.num_prompt_tokens, seq.num_cached_tokens, seq.num_output_tokens,
+                num_accepted_prediction=seq.num_accepted_prediction,
+                num_rejected_prediction=seq.num_rejected_prediction)
             batches.setdefault(req.loop, []).append((req.queue, chunk))
         for seq in step.finished:  # embedding requests: their vector, once
             req = self._requests.pop(seq.request_id, None) if seq.pooling else None
@@ -267,7 +279,7 @@ class AsyncEngine:
         for loop, items in batches.items():
             loop.call_soon_threadsafe(_put_all, items)
         # Only now: several of a request's n choices can finish in the same step.
-        for seq in touched:
+        for seq, _ in touched:
             req = self._requests.get(seq.request_id)
             if req is not None and all(s.status.is_finished for s in req.seqs):
                 del self._requests[seq.request_id]

@@ -163,24 +163,32 @@ class Engine:
         return StepOutput(out, finished)
 
     def _pace(self, out: SchedulerOutput, seconds: float) -> None:
-        num_decodes = sum(1 for n in out.num_new_tokens if n == 1)
-        num_prompt = sum(n for n in out.num_new_tokens if n > 1)
+        # a decode's drafted rows (speculation.py) are decode rows too
+        decodes = [n - d == 1 for n, d in zip(out.num_new_tokens, out.num_drafts, strict=True)]
+        num_decodes = sum(n for n, d in zip(out.num_new_tokens, decodes, strict=True) if d)
+        num_prompt = sum(n for n, d in zip(out.num_new_tokens, decodes, strict=True) if not d)
         self.pacer.observe(num_decodes, num_prompt, seconds)
 
     def _record(self, out: SchedulerOutput, result, finished: list[Sequence]) -> None:
         """Bookkeeping outside the four lines: logprobs, sampler state, counters."""
         m = self.metrics
         m.num_steps += 1
-        sampling = [s for s, f in zip(out.seqs, out.is_sampling, strict=True) if f]
         for seq, n in zip(out.seqs, out.num_new_tokens, strict=True):
             if seq.num_computed_tokens <= seq.num_prompt_tokens and not seq.internal:
                 m.num_prompt_tokens[seq.priority] = m.num_prompt_tokens.get(seq.priority, 0) + n
-        for k, seq in enumerate(sampling):
+        row = 0  # the sampled rows: a sequence's first, then one per draft
+        for seq, samples, num_draft, num_kept in zip(out.seqs, out.is_sampling, out.num_drafts,
+                                                     out.num_kept, strict=True):
+            if not samples:
+                continue
+            first, row = row, row + 1 + num_draft
             if seq.internal:
                 continue
             m.num_generation_tokens[seq.priority] = m.num_generation_tokens.get(seq.priority,
-                                                                                0) + 1
-            if result is not None and result.logprobs is not None and seq.params.logprobs:
+                                                                                0) + num_kept
+            if result is None or result.logprobs is None or not seq.params.logprobs:
+                continue
+            for k in range(first, first + num_kept):  # the kept tokens are the first rows'
                 tops = result.top_logprobs[k][: seq.params.top_logprobs] if result.top_logprobs \
                     else []
                 seq.logprobs.append((result.logprobs[k], tops))

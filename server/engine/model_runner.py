@@ -91,8 +91,10 @@ class ModelRunner:
         # Logits only for the last token of each sequence that samples this step. In a step
         # with prompt rows, most rows are read by nothing after it: the last layer computes
         # only the sampled ones past attention (unless a sequence pools every row).
+        # A sequence with drafts (speculation.py) samples at its last token and at each draft.
         ends = itertools.accumulate(num_new)
-        sampled = [end - 1 for end, flag in zip(ends, out.is_sampling, strict=True) if flag]
+        sampled = [row for end, flag, d in zip(ends, out.is_sampling, out.num_drafts, strict=True)
+                   if flag for row in range(end - 1 - d, end)]
         sampled_rows = torch.tensor(sampled, dtype=torch.long, device=self.device)
         pooling = any(s.pooling for s in seqs)
         if prompt_rows and not pooling:
@@ -106,7 +108,8 @@ class ModelRunner:
         finally:
             end_step(batch.rows)
         embeddings = self._pool(out, hidden) if pooling else []
-        sampling = [s for s, flag in zip(seqs, out.is_sampling, strict=True) if flag]
+        sampling = [s for s, flag, d in zip(seqs, out.is_sampling, out.num_drafts, strict=True)
+                    if flag for _ in range(1 + d)]  # a sequence per sampled row
         if not sampling:
             return StepResult([], None, None, embeddings)
         logits = self.model.compute_logits(hidden if batch.outputs is not None

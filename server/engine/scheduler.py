@@ -18,6 +18,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from server.engine import speculation
 from server.engine.block_manager import BlockManager, PrefixHit
 from server.engine.sequence import Sequence, SequenceStatus
 
@@ -41,6 +42,10 @@ class SchedulerOutput:
     # An embedding request reaching the end of its prompt: pooled, not sampled, then done.
     is_pooling: list[bool] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)  # lost their blocks this step
+    # Predicted outputs (speculation.py): tokens drafted after each one's last token, each a
+    # row that samples too; and, once the step is done, how many tokens each one gained.
+    num_drafts: list[int] = field(default_factory=list)
+    num_kept: list[int] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -174,6 +179,7 @@ class Scheduler:
                     break
             if seq.status != SequenceStatus.RUNNING:
                 break  # it preempted itself: everything behind it is gone too
+            # drafts never take a token the running sequences behind this one need
             bm.append_slots(seq, n)
             self._schedule(out, seq, n)
             budget -= n
@@ -210,27 +216,72 @@ class Scheduler:
             self._schedule(out, seq, n)
             budget -= n
             prefill_left -= self._paced_tokens(seq, n)
+        if budget > 0:
+            self._draft_all(out, budget)
         return out
 
     def update(self, out: SchedulerOutput, sampled: list[int]) -> list[Sequence]:
-        """Advance counters with the step's results; returns the sequences that finished."""
+        """Advance counters with the step's results (`sampled`: a token per sampling row, a
+        sequence's drafted rows after its last one); returns the sequences that finished."""
         finished = []
         tokens = iter(sampled)
-        for seq, n, samples in zip(out.seqs, out.num_new_tokens, out.is_sampling, strict=True):
-            token = next(tokens) if samples else None
+        out.num_kept = [0] * len(out.seqs)
+        for k, (seq, n, samples, num_draft) in enumerate(zip(
+                out.seqs, out.num_new_tokens, out.is_sampling, out.num_drafts, strict=True)):
+            rows = [next(tokens) for _ in range(1 + num_draft)] if samples else []
+            drafts = self._undraft(seq)
             if seq.status != SequenceStatus.RUNNING:
                 continue  # aborted while the step ran
-            seq.num_computed_tokens += n
+            new = speculation.kept(drafts, rows) if samples else []
+            # the last token and the drafts kept are computed; the rest are not tokens at all
+            seq.num_computed_tokens += n - num_draft + max(0, len(new) - 1)
+            if num_draft:
+                speculation.adapt(seq, num_draft, len(new) - 1)
             self.block_manager.cache_full_blocks(seq)
-            if token is None:
+            if not samples:
                 if seq.pooling is not None and seq.num_computed_tokens == seq.num_tokens:
                     self._finish(seq, SequenceStatus.FINISHED_STOPPED, finished)
                 continue
-            seq.token_ids.append(token)
-            status = self._stop_status(seq, token)
-            if status is not None:
-                self._finish(seq, status, finished)
+            for token in new:
+                seq.token_ids.append(token)
+                out.num_kept[k] += 1
+                status = self._stop_status(seq, token)
+                if status is not None:
+                    self._finish(seq, status, finished)
+                    break
         return finished
+
+    def _draft_all(self, out: SchedulerOutput, budget: int) -> None:
+        """Predicted outputs (speculation.py): the budget the step leaves goes to drafts of its
+        decoding sequences with a prediction, in order, so drafts never hold back a prompt or
+        another sequence's token (nor preempt anything: only free blocks take them)."""
+        for k, (seq, n) in enumerate(zip(out.seqs, out.num_new_tokens, strict=True)):
+            p = seq.params
+            if (budget <= 0 or n != 1 or not p.prediction or seq.pooling is not None
+                    or seq.num_tokens - seq.num_computed_tokens != 1 or seq.grammar is not None
+                    or p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0):
+                continue  # a grammar or penalties would need each draft's own history
+            limit = min(seq.draft_limit, budget, p.max_tokens - seq.num_output_tokens - 1,
+                        self.max_model_len - seq.num_tokens - 1)
+            drafts = speculation.propose(seq, limit)
+            if not drafts or not self.block_manager.can_append(seq, 1 + len(drafts)):
+                continue
+            self.block_manager.append_slots(seq, 1 + len(drafts))
+            seq.token_ids += drafts
+            seq.num_draft = out.num_drafts[k] = len(drafts)
+            out.num_new_tokens[k] += len(drafts)
+            budget -= len(drafts)
+
+    @staticmethod
+    def _undraft(seq: Sequence) -> list[int]:
+        """Take seq's drafted tokens off its tokens (they were never its output); returns them."""
+        k = seq.num_draft
+        if not k:
+            return []
+        drafts = seq.token_ids[-k:]
+        del seq.token_ids[-k:]
+        seq.num_draft = 0
+        return drafts
 
     def _finish(self, seq: Sequence, status: SequenceStatus, finished: list[Sequence]) -> None:
         self.running.remove(seq)
@@ -255,6 +306,7 @@ class Scheduler:
         reaches_end = seq.num_computed_tokens + n == seq.num_tokens
         out.is_sampling.append(reaches_end and seq.pooling is None)
         out.is_pooling.append(reaches_end and seq.pooling is not None)
+        out.num_drafts.append(seq.num_draft)
 
     def _stop_status(self, seq: Sequence, token: int) -> SequenceStatus | None:
         p = seq.params
@@ -277,6 +329,7 @@ class Scheduler:
         """Free seq's blocks and send it back to wait; it recomputes from its prefix later."""
         self.running.remove(seq)
         self.block_manager.free(seq)
+        self._undraft(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -300,6 +353,7 @@ class Scheduler:
             k = out.seqs.index(victim)
             refund = out.num_new_tokens[k]
             del out.seqs[k], out.num_new_tokens[k], out.is_sampling[k], out.is_pooling[k]
+            del out.num_drafts[k]
         self._preempt(victim, out)
         return refund
 

@@ -61,6 +61,8 @@ class SamplingParams:
     top_logprobs: int = 0
     n: int = 1
     grammar: Grammar | None = None  # constrained decoding: every choice follows it
+    # Predicted outputs: the reply's expected tokens, checked several a step (speculation.py)
+    prediction: tuple[int, ...] = ()
 
     @property
     def is_greedy(self) -> bool:
@@ -110,6 +112,15 @@ class Sequence:
     pooling: Pooling | None = None  # an embedding request: prefill only, then pooled
     embedding: list[float] | None = None  # its vector, once the prompt is computed
     internal: bool = False  # the engine's own work (recache.py): no request, not counted
+    # Predicted outputs (speculation.py): drafted tokens at the end of token_ids during a
+    # step (0 between steps), where the output last agreed with the prediction (output index
+    # prediction_base is prediction index prediction_at), and the drafts kept and dropped.
+    num_draft: int = 0
+    prediction_at: int = 0
+    prediction_base: int = 0
+    draft_limit: int = 8  # drafts a step: doubles while they all hold, halves when one fails
+    num_accepted_prediction: int = 0
+    num_rejected_prediction: int = 0
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.token_ids)  # owned: outputs are appended to it
@@ -123,7 +134,7 @@ class Sequence:
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        return len(self.token_ids) - self.num_prompt_tokens - self.num_draft
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -166,6 +167,17 @@ def same_however_computed(model, dtype, device=CPU) -> None:
     assert result(chunked) == want
     assert result(batched) == want
     assert result(preempted) == want
+    # Predicted outputs (speculation.py): its tokens drafted and checked several a step, alone
+    # (decode steps) and among others (steps with prompts), the prediction right or not.
+    for tokens, among in ((want[0], 0), (want[0][:2] + [7, 7, 7, 7], 6)):
+        predicted = seeded()
+        predicted.params = replace(predicted.params, prediction=tuple(tokens))
+        e = engine()
+        for s in others(among)[:3] + [predicted] + others(among)[3:]:
+            e.add(s)
+        finish(e)
+        assert predicted.num_accepted_prediction > 0 or among
+        assert result(predicted) == want
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
