@@ -51,7 +51,7 @@ class _Run:
 
     def __init__(self, state: ServerState, req: ChatRequest, turn: Turn) -> None:
         self.state, self.req, self.rid = state, req, turn.request_id
-        self.count = TokenCount(turn.num_prompt_tokens)
+        self.count = TokenCount(turn.num_prompt_tokens, req.prediction is not None)
         self.token_text = TokenText(state.tokenizer)
         self.created = int(time.time())
         self.calls_tools = turn.calls_tools

@@ -113,6 +113,7 @@ class ChatRequest(GenerateRequest):
     output_schema: dict[str, Any] | None = None  # response_format beyond text
     tool_use: ToolUse | None = None  # tools offered, and how they may be called
     continue_final: bool = False  # the reply continues the final (assistant) message's text
+    prediction: str | None = None  # predicted outputs: the reply's expected text
 
 
 @dataclass(slots=True)
@@ -220,7 +221,7 @@ def parse_chat(body: dict[str, Any], vocab_size: int) -> ChatRequest:
     output = parse_response_format(f.raw("response_format"))
     f.refuse("audio")
     f.refuse("modalities", (None, ["text"]))
-    f.refuse("prediction", what="predicted outputs")
+    prediction = _prediction(f.raw("prediction"), kw, tool_use)
     f.refuse("web_search_options")
     f.refuse("reasoning_effort")
     f.refuse("verbosity")
@@ -232,7 +233,41 @@ def parse_chat(body: dict[str, Any], vocab_size: int) -> ChatRequest:
     params = SamplingParams(logprobs=logprobs, top_logprobs=top or 0, **kw)
     return ChatRequest(params=params, max_tokens=max_tokens, messages=messages,
                        output_schema=output, tool_use=tool_use, continue_final=continue_final,
-                       **other)
+                       prediction=prediction, **other)
+
+
+def _prediction(v: Any, kw: dict[str, Any], tool_use: ToolUse | None) -> str | None:
+    """Predicted outputs: `{"type": "content", "content": text or text parts}`, the reply's
+    expected text. Refused with what OpenAI refuses it with and a penalty (a drafted token's
+    penalties would need its own history): several choices, tools, penalties."""
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise invalid("prediction", "Invalid type for 'prediction': expected an object.")
+    unknown = sorted(set(v) - {"type", "content"})
+    if unknown:
+        raise invalid(f"prediction.{unknown[0]}",
+                      f"Unrecognized parameter 'prediction.{unknown[0]}'.")
+    if v.get("type") != "content":
+        raise invalid("prediction.type", f"Invalid value for 'prediction.type': "
+                      f"{v.get('type')!r}. Supported values are: 'content'.")
+    content = v.get("content")
+    if isinstance(content, list) and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+            and set(p) == {"type", "text"} for p in content):
+        content = "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise invalid("prediction.content", "Invalid type for 'prediction.content': expected "
+                      "a string or an array of text parts.")
+    if kw["n"] > 1:
+        raise invalid("n", "Predicted outputs do not support 'n' greater than 1.")
+    if tool_use is not None and tool_use.is_active:
+        raise invalid("tools", "Predicted outputs do not support tools (function calling).")
+    for name, off in (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
+                      ("repetition_penalty", 1.0)):
+        if kw[name] != off:
+            raise invalid(name, f"Predicted outputs do not support '{name}'.")
+    return content
 
 
 def _continue_final(f: Fields, messages: list[dict[str, Any]], tool_use: ToolUse | None,

@@ -31,14 +31,18 @@ class TokenCount:
     """A request's tokens as its chunks arrive: every choice's output so far and the cached
     prompt tokens of each prompt (reported on its first choice); the one place that counts."""
 
-    def __init__(self, num_prompt: int) -> None:
+    def __init__(self, num_prompt: int, predicted: bool = False) -> None:
         self.num_prompt = num_prompt
         self.output: dict[int, int] = {}  # choice -> output tokens so far
         self.cached: dict[int, int] = {}  # prompt -> cached prompt tokens
+        self.predicted = predicted  # predicted outputs: report the drafts kept and dropped
+        self.prediction: dict[int, tuple[int, int]] = {}  # choice -> (accepted, rejected)
 
     def add(self, chunk, choice: int | None = None, prompt: int = 0) -> None:
         """`chunk` of `choice` (default: its own index) of prompt number `prompt`."""
-        self.output[chunk.index if choice is None else choice] = chunk.num_output_tokens
+        choice = chunk.index if choice is None else choice
+        self.output[choice] = chunk.num_output_tokens
+        self.prediction[choice] = (chunk.num_accepted_prediction, chunk.num_rejected_prediction)
         if chunk.index == 0:
             self.cached[prompt] = chunk.num_cached_tokens
 
@@ -51,7 +55,13 @@ class TokenCount:
         return sum(self.cached.values())
 
     def usage(self) -> dict[str, Any]:
-        return usage(self.num_prompt, self.num_output, self.num_cached)
+        out = usage(self.num_prompt, self.num_output, self.num_cached)
+        if self.predicted:
+            out["completion_tokens_details"] = {
+                "reasoning_tokens": 0, "audio_tokens": 0,
+                "accepted_prediction_tokens": sum(a for a, _ in self.prediction.values()),
+                "rejected_prediction_tokens": sum(r for _, r in self.prediction.values())}
+        return out
 
 
 @dataclass(slots=True)

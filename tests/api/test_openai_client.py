@@ -200,3 +200,69 @@ def test_32_concurrent_streams_all_complete(server):
             return await asyncio.gather(*(one(client, i) for i in range(32)))
 
     assert asyncio.run(main()) == [("length", 16)] * 32
+
+
+def test_predicted_outputs_change_the_usage_not_the_reply(client):
+    """`prediction` (a file being edited, say): the reply is the one without it, whole and
+    streamed, greedy and seeded; the usage says how many predicted tokens it kept and dropped."""
+    kw = dict(model=MODEL, messages=HELLO, max_tokens=40, logit_bias=LETTERS, **GREEDY)
+    full = client.chat.completions.create(**kw)
+    text = full.choices[0].message.content
+    assert full.usage.completion_tokens_details is None  # only with a prediction
+    right = client.chat.completions.create(prediction={"type": "content", "content": text}, **kw)
+    assert right.choices[0].message.content == text
+    details = right.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens >= 20
+    edited = text[:10] + "-----" + text[15:]
+    parts = [{"type": "text", "text": edited[:7]}, {"type": "text", "text": edited[7:]}]
+    streamed = client.chat.completions.create(
+        prediction={"type": "content", "content": parts}, stream=True,
+        stream_options={"include_usage": True}, **kw)
+    chunks = list(streamed)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    last = chunks[-1].usage.completion_tokens_details
+    assert last.accepted_prediction_tokens > 0 and last.rejected_prediction_tokens > 0
+    seeded = dict(model=MODEL, messages=HELLO, max_tokens=30, temperature=1.0, seed=5,
+                  logit_bias=LETTERS, extra_body={"ignore_eos": True})
+    plain = client.chat.completions.create(**seeded).choices[0].message.content
+    again = client.chat.completions.create(prediction={"type": "content", "content": plain},
+                                           **seeded)
+    assert again.choices[0].message.content == plain
+    assert again.usage.completion_tokens_details.accepted_prediction_tokens >= 15
+    # several tokens a step: their logprobs each, and a stop string inside a run of them ends
+    # the text and the token count where a token a step does
+    logprobs = client.chat.completions.create(logprobs=True, top_logprobs=2, **kw)
+    predicted = client.chat.completions.create(
+        prediction={"type": "content", "content": text}, logprobs=True, top_logprobs=2, **kw)
+    assert predicted.choices[0].logprobs == logprobs.choices[0].logprobs
+    stop = ascii_window(text, 20)
+    plain = client.chat.completions.create(stop=[stop], **kw)
+    for stream in (False, True):
+        got = client.chat.completions.create(
+            stop=[stop], prediction={"type": "content", "content": text}, stream=stream,
+            stream_options={"include_usage": True} if stream else None, **kw)
+        if stream:
+            chunks = list(got)
+            content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            usage = chunks[-1].usage
+        else:
+            content, usage = got.choices[0].message.content, got.usage
+        assert content == plain.choices[0].message.content == text[:text.index(stop)]
+        assert usage.completion_tokens == plain.usage.completion_tokens
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"n": 2}, "n"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    ({"prediction": {"type": "text", "content": "x"}}, "prediction.type"),
+    ({"prediction": {"type": "content", "content": 3}}, "prediction.content"),
+    ({"prediction": {"type": "content", "content": [{"type": "image_url"}]}},
+     "prediction.content"),
+    ({"prediction": "x"}, "prediction"),
+])
+def test_predicted_outputs_refuse_what_openai_refuses(client, extra, param):
+    body = {"prediction": {"type": "content", "content": "hello"}} | extra
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=4, **body)
+    assert e.value.body["param"] == param

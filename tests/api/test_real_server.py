@@ -164,3 +164,19 @@ def test_real_model_embeddings_are_unit_vectors_of_its_width(client):
                                                               "Madrid is in Spain."])
     assert [len(d.embedding) for d in r.data] == [576, 576]  # SmolLM2-135M's hidden size
     assert all(abs(sum(x * x for x in d.embedding) - 1) < 1e-4 for d in r.data)
+
+
+def test_a_predicted_reply_is_the_reply_without_it(client):
+    """Predicted outputs on the real int4 model (the decode plan's path, several generated
+    rows a step): a prediction that is the reply with a word changed (a client's edit of the
+    last answer) gets that same reply, having kept most of the prediction's tokens."""
+    kw = dict(model="smollm2-135m:int4", max_tokens=60, temperature=0, messages=[
+        {"role": "user", "content": "Write the days of the week."}])
+    plain = client.chat.completions.create(**kw).choices[0].message.content
+    assert plain.count("Thursday") >= 2
+    edited = plain.replace("Thursday", "Caturday", 1)
+    predicted = client.chat.completions.create(
+        prediction={"type": "content", "content": edited}, **kw)
+    assert predicted.choices[0].message.content == plain
+    details = predicted.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens > 30 and details.rejected_prediction_tokens > 0
