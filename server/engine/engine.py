@@ -176,13 +176,11 @@ class Engine:
         for seq, n in zip(out.seqs, out.num_new_tokens, strict=True):
             if seq.num_computed_tokens <= seq.num_prompt_tokens and not seq.internal:
                 m.num_prompt_tokens[seq.priority] = m.num_prompt_tokens.get(seq.priority, 0) + n
-        row = 0  # the sampled rows: a sequence's first, then one per draft
-        for seq, samples, num_draft, num_kept in zip(out.seqs, out.is_sampling, out.num_drafts,
-                                                     out.num_kept, strict=True):
-            if not samples:
-                continue
-            first, row = row, row + 1 + num_draft
-            if seq.internal:
+        row = 0  # the sampled rows: a sequence's last token's, then one per draft
+        for seq, num_rows, num_kept in zip(out.seqs, out.num_sampled_rows, out.num_kept,
+                                           strict=True):
+            first, row = row, row + num_rows
+            if not num_rows or seq.internal:
                 continue
             m.num_generation_tokens[seq.priority] = m.num_generation_tokens.get(seq.priority,
                                                                                 0) + num_kept

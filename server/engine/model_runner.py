@@ -93,8 +93,8 @@ class ModelRunner:
         # only the sampled ones past attention (unless a sequence pools every row).
         # A sequence with drafts (speculation.py) samples at its last token and at each draft.
         ends = itertools.accumulate(num_new)
-        sampled = [row for end, flag, d in zip(ends, out.is_sampling, out.num_drafts, strict=True)
-                   if flag for row in range(end - 1 - d, end)]
+        sampled = [row for end, rows in zip(ends, out.num_sampled_rows, strict=True)
+                   for row in range(end - rows, end)]
         sampled_rows = torch.tensor(sampled, dtype=torch.long, device=self.device)
         pooling = any(s.pooling for s in seqs)
         if prompt_rows and not pooling:
@@ -108,8 +108,8 @@ class ModelRunner:
         finally:
             end_step(batch.rows)
         embeddings = self._pool(out, hidden) if pooling else []
-        sampling = [s for s, flag, d in zip(seqs, out.is_sampling, out.num_drafts, strict=True)
-                    if flag for _ in range(1 + d)]  # a sequence per sampled row
+        sampling = [s for s, rows in zip(seqs, out.num_sampled_rows, strict=True)
+                    for _ in range(rows)]  # a sequence per sampled row
         if not sampling:
             return StepResult([], None, None, embeddings)
         logits = self.model.compute_logits(hidden if batch.outputs is not None

@@ -48,6 +48,11 @@ class SchedulerOutput:
     num_kept: list[int] = field(default_factory=list)
 
     @property
+    def num_sampled_rows(self) -> list[int]:
+        """Rows each sequence samples at: its last token's and one per draft, or none."""
+        return [1 + d if f else 0 for f, d in zip(self.is_sampling, self.num_drafts, strict=True)]
+
+    @property
     def num_batched_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
@@ -179,7 +184,6 @@ class Scheduler:
                     break
             if seq.status != SequenceStatus.RUNNING:
                 break  # it preempted itself: everything behind it is gone too
-            # drafts never take a token the running sequences behind this one need
             bm.append_slots(seq, n)
             self._schedule(out, seq, n)
             budget -= n
@@ -226,13 +230,14 @@ class Scheduler:
         finished = []
         tokens = iter(sampled)
         out.num_kept = [0] * len(out.seqs)
-        for k, (seq, n, samples, num_draft) in enumerate(zip(
-                out.seqs, out.num_new_tokens, out.is_sampling, out.num_drafts, strict=True)):
-            rows = [next(tokens) for _ in range(1 + num_draft)] if samples else []
+        for k, (seq, n, samples, num_draft, num_rows) in enumerate(zip(
+                out.seqs, out.num_new_tokens, out.is_sampling, out.num_drafts,
+                out.num_sampled_rows, strict=True)):
+            rows = [next(tokens) for _ in range(num_rows)]
             drafts = self._undraft(seq)
             if seq.status != SequenceStatus.RUNNING:
                 continue  # aborted while the step ran
-            new = speculation.kept(drafts, rows) if samples else []
+            new = speculation.kept(drafts, rows)
             # the last token and the drafts kept are computed; the rest are not tokens at all
             seq.num_computed_tokens += n - num_draft + max(0, len(new) - 1)
             if num_draft:
@@ -329,7 +334,6 @@ class Scheduler:
         """Free seq's blocks and send it back to wait; it recomputes from its prefix later."""
         self.running.remove(seq)
         self.block_manager.free(seq)
-        self._undraft(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
