@@ -125,6 +125,10 @@ def render(model: str, api: ApiMetrics, stats: dict[str, Any] | None) -> str:
                [(m, stats["prefix_cache_hits"])])
         metric("num_preemptions_total", "counter", "Sequences preempted for lack of KV blocks.",
                [(m, stats["num_preemptions"])])
+        metric("prediction_draft_tokens_total", "counter", "Predicted-output tokens drafted "
+               "and checked.", [(m, stats["prediction_draft_tokens"])])
+        metric("prediction_accepted_tokens_total", "counter", "Drafted predicted-output tokens "
+               "the replies kept.", [(m, stats["prediction_accepted_tokens"])])
         metric("replies_recached_total", "counter", "Finished replies computed as prompt while "
                "idle, for the next turn.", [(m, stats["replies_recached"])])
         metric("replies_to_recache", "gauge", "Finished replies waiting to be computed as "

@@ -220,6 +220,8 @@ class Engine:
             "prefix_cache_queries": bm.num_cache_queries,
             "prefix_cache_hits": bm.num_cache_hits,
             "num_preemptions": sched.num_preemptions,
+            "prediction_draft_tokens": sched.num_draft_tokens,
+            "prediction_accepted_tokens": sched.num_accepted_draft_tokens,
             "replies_recached": self.recache.num_done,
             "replies_to_recache": self.recache.num_pending,
             "prompt_tokens": dict(m.num_prompt_tokens),

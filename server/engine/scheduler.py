@@ -86,6 +86,8 @@ class Scheduler:
         self._order = itertools.count()
         self._waiting_keys: list[tuple[int, int]] = []
         self.num_preemptions = 0
+        self.num_draft_tokens = 0  # predicted outputs: tokens drafted, and of those kept
+        self.num_accepted_draft_tokens = 0
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -242,6 +244,8 @@ class Scheduler:
             seq.num_computed_tokens += n - num_draft + max(0, len(new) - 1)
             if num_draft:
                 speculation.adapt(seq, num_draft, len(new) - 1)
+                self.num_draft_tokens += num_draft
+                self.num_accepted_draft_tokens += len(new) - 1
             self.block_manager.cache_full_blocks(seq)
             if not samples:
                 if seq.pooling is not None and seq.num_computed_tokens == seq.num_tokens:

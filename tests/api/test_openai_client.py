@@ -202,9 +202,11 @@ def test_32_concurrent_streams_all_complete(server):
     assert asyncio.run(main()) == [("length", 16)] * 32
 
 
-def test_predicted_outputs_change_the_usage_not_the_reply(client):
+def test_predicted_outputs_change_the_usage_not_the_reply(client, server):
     """`prediction` (a file being edited, say): the reply is the one without it, whole and
-    streamed, greedy and seeded; the usage says how many predicted tokens it kept and dropped."""
+    streamed, greedy and seeded; the usage says how many predicted tokens it kept and dropped,
+    /metrics how many the server drafted and kept."""
+    before = server.metrics()
     kw = dict(model=MODEL, messages=HELLO, max_tokens=40, logit_bias=LETTERS, **GREEDY)
     full = client.chat.completions.create(**kw)
     text = full.choices[0].message.content
@@ -249,6 +251,11 @@ def test_predicted_outputs_change_the_usage_not_the_reply(client):
             content, usage = got.choices[0].message.content, got.usage
         assert content == plain.choices[0].message.content == text[:text.index(stop)]
         assert usage.completion_tokens == plain.usage.completion_tokens
+    after = server.metrics()
+    drafted, kept = (after[f"localserve:prediction_{k}_tokens_total"]
+                     - before.get(f"localserve:prediction_{k}_tokens_total", 0)
+                     for k in ("draft", "accepted"))
+    assert drafted > kept >= 20 + 15
 
 
 @pytest.mark.parametrize(("extra", "param"), [
