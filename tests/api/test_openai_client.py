@@ -273,3 +273,15 @@ def test_predicted_outputs_refuse_what_openai_refuses(client, extra, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=4, **body)
     assert e.value.body["param"] == param
+
+
+def test_a_prediction_beside_a_response_format_is_taken_and_changes_nothing(client):
+    """Under a grammar a prediction is not drafted (each draft would need its own grammar
+    state): the request is answered as without it, and the usage says nothing was kept."""
+    kw = dict(model=MODEL, messages=HELLO, max_tokens=30, response_format={"type": "json_object"},
+              **GREEDY)
+    plain = client.chat.completions.create(**kw).choices[0].message.content
+    got = client.chat.completions.create(prediction={"type": "content", "content": plain}, **kw)
+    assert got.choices[0].message.content == plain
+    details = got.usage.completion_tokens_details
+    assert (details.accepted_prediction_tokens, details.rejected_prediction_tokens) == (0, 0)
