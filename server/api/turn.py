@@ -58,7 +58,7 @@ async def start_turn(state: ServerState, req: ChatRequest, salt: str, priority: 
                                 req.continue_final)
     params = with_max_tokens(state, req.params, req.max_tokens, len(prompt_ids), param)
     if req.prediction:  # as many tokens as a reply could follow (speculation.py)
-        ids = await off_loop(_text_ids, state.tokenizer, req.prediction)
+        ids = await off_loop(state.tokenizer.encode, req.prediction, False)  # no BOS
         params = replace(params, prediction=tuple(ids[:state.max_request_tokens]))
     grammar, where = _grammar_text(req, schema_param)
     if grammar is not None:
@@ -106,10 +106,6 @@ def _grammar_text(req: ChatRequest, schema_param: str) -> tuple[str | None, str]
     if req.output_schema is not None:
         return schema_grammar(req.output_schema, schema_param), schema_param
     return None, ""
-
-
-def _text_ids(tokenizer: Any, text: str) -> list[int]:
-    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def _prompt_ids(tokenizer: Any, messages: list[dict[str, Any]], tools, param: str,

@@ -264,10 +264,10 @@ class Scheduler:
         """Predicted outputs (speculation.py): the budget the step leaves goes to drafts of its
         decoding sequences with a prediction, in order, so drafts never hold back a prompt or
         another sequence's token (nor preempt anything: only free blocks take them)."""
-        for k, (seq, n) in enumerate(zip(out.seqs, out.num_new_tokens, strict=True)):
+        for k, (seq, n, samples) in enumerate(zip(out.seqs, out.num_new_tokens, out.is_sampling,
+                                                  strict=True)):
             p = seq.params
-            if (budget <= 0 or n != 1 or not p.prediction or seq.pooling is not None
-                    or seq.num_tokens - seq.num_computed_tokens != 1 or seq.grammar is not None
+            if (budget <= 0 or n != 1 or not samples or not p.prediction or seq.grammar is not None
                     or p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0):
                 continue  # a grammar or penalties would need each draft's own history
             limit = min(seq.draft_limit, budget, p.max_tokens - seq.num_output_tokens - 1,

@@ -33,7 +33,7 @@ def propose(seq: Sequence, limit: int) -> list[int]:
     prediction = seq.params.prediction
     if limit <= 0 or not prediction:
         return []
-    out = seq.token_ids[seq.num_prompt_tokens:]
+    out = seq.output_token_ids
     since = out[seq.prediction_base:]
     at = seq.prediction_at + len(since)  # where the output would be, had it kept to it
     if list(prediction[seq.prediction_at:at]) != since:
