@@ -100,7 +100,7 @@ def main() -> None:
     print("| --- | --- |" + " --- |" * (len(args.batch) + 1))
     for name in args.models:
         stored = ModelStore().resolve(name)
-        dtype = pick_dtype(device, args.dtype)
+        dtype = pick_dtype(device, args.dtype, stored.manifest["bits"])
         model = load_model(stored, device, dtype).model
         tokenizer = load_tokenizer(stored)
         measure(model, tokenizer, device, dtype, 2, 4)  # warm-up

@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
     text = args.text.read_text() if args.text else default_text()
     if args.context < 2:
         raise ValueError(f"--context must be at least 2 tokens, got {args.context}")
-    dtype = pick_dtype(device, args.dtype)
+    dtype = pick_dtype(device, args.dtype, stored.manifest["bits"])
     kv = DTYPES[args.kv_cache_dtype] if args.kv_cache_dtype else pick_kv_dtype(device, dtype)
     tokenizer = load_tokenizer(stored)
     model = load_model(stored, device, dtype).model

@@ -314,7 +314,7 @@ def load_engine(
     from server.quant import cpu_kernels
 
     device = pick_device(device)
-    dtype = pick_dtype(device, dtype)
+    dtype = pick_dtype(device, dtype, stored.manifest["bits"])
 
     def build() -> Engine:  # runs in the engine thread: all torch work in one thread
         loaded = load_model(stored, device, dtype)

@@ -1,4 +1,5 @@
-/* int4 and int8 weights times bf16 or fp32 activations on AVX2 + FMA CPUs without AVX-512 BF16:
+/* int4 and int8 weights times bf16 or fp32 activations on AVX2 + FMA CPUs without AVX-512 BF16
+ * and Intel ones without AMX (cpu_gemm.kinds_for):
  * the same functions and layouts as avx512_gemm.c (cpu_gemm.py's pack_int4 / pack_int8).
  * int4: y[m, n] = sum_k x[m, k] * ((q[n, k] - 8) * scale[n, g] + zero[n, g]); int8:
  * y[m, n] = scale[n] * sum_k x[m, k] * q[n, k].

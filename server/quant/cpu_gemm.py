@@ -1,8 +1,9 @@
 """Our CPU kernels for int4 and int8 layers: amx_gemm.c on CPUs with AMX (tile products for the
-sums, avx512_gemm.c's code around them), avx512_gemm.c on AVX-512 BF16 CPUs (vdpbf16ps),
+sums, avx512_gemm.c's code around them), avx512_gemm.c on AMD's AVX-512 BF16 CPUs (vdpbf16ps),
 avx2_gemm.c on AVX2 + FMA ones (vpmaddwd, activations as int16 per group; where the CPU has
-AVX-512 VNNI but not BF16, its vpdpwssd path, and where it has AVX-VNNI without AVX-512, VEX
-vpdpwssd on the AVX2 path: the same bits faster); the same functions and layouts.
+AVX-512 VNNI, its vpdpwssd path, and where it has AVX-VNNI without AVX-512, VEX vpdpwssd on the
+AVX2 path: the same bits faster), Intel's with AVX-512 BF16 but no AMX included (kinds_for);
+the same functions and layouts.
 
 PyTorch's CPU int4 and int8 kernels stream one row's weights at about half the memory bandwidth
 and slow down almost linearly with more rows (an int8 LM head of 49,152 x 576: 1.9 ms at one
@@ -35,36 +36,43 @@ SOURCES = {"amx": Path(__file__).with_name("amx_gemm.c"),
            "avx2": Path(__file__).with_name("avx2_gemm.c")}
 
 
-def kind_for(flags: set[str]) -> str | None:
-    """The kernels a CPU with these flags takes (None: PyTorch's)."""
-    if {"avx512_bf16", "avx512bw", "amx_bf16", "amx_tile"} <= flags:
-        return "amx"
-    if {"avx512_bf16", "avx512bw"} <= flags:
-        return "avx512_bf16"
-    if {"avx2", "fma", "f16c"} <= flags:
-        return "avx2"
-    return None
+def kinds_for(flags: set[str], vendor: str = "") -> list[str]:
+    """The kinds of kernels a CPU with these flags runs, the fastest first (empty: PyTorch's).
+    An Intel CPU with AVX-512 BF16 and VNNI but no AMX (Cooper Lake, or a newer Xeon whose VM
+    hides AMX) takes avx2_gemm.c's AVX-512 VNNI path before avx512_gemm.c: there vdpbf16ps on
+    weights converted to bf16 is the slower of the two at every row count (smollm2-135m:int4
+    decode 1.4x faster at one sequence and 2.4x at 32, the 1.7B shape 1.1-3.3x) [Intel(R)
+    Xeon(R) Processor, family 6 model 207, AVX-512 BF16 yes, AMX no]; on AMD's AVX-512 BF16
+    cores avx512_gemm.c stays first (measured fastest there, benchmarks/RESULTS.md)."""
+    kinds = [kind for kind, need in (
+        ("amx", {"avx512_bf16", "avx512bw", "amx_bf16", "amx_tile"}),
+        ("avx512_bf16", {"avx512_bf16", "avx512bw"}),
+        ("avx2", {"avx2", "fma", "f16c"})) if need <= flags]
+    if kinds[:2] == ["avx512_bf16", "avx2"] and vendor == "GenuineIntel" and \
+            "avx512_vnni" in flags:
+        kinds[:2] = ["avx2", "avx512_bf16"]
+    return kinds
 
 
-def _kind() -> str | None:
-    """This machine's kind, or the one LOCALSERVE_CPU_KERNELS names (`avx512_bf16` or `avx2` on
-    an AMX machine, `torch` for PyTorch's kernels: for comparisons; one the CPU lacks is
-    ignored, with a warning)."""
-    best = kind_for(native.cpu_flags())
+def _kinds() -> list[str]:
+    """This machine's kinds in the order layers try them, or from the one LOCALSERVE_CPU_KERNELS
+    names (any kind the CPU runs, e.g. `avx2` on an AMX machine, or `torch` for PyTorch's
+    kernels: for comparisons; one the CPU lacks is ignored, with a warning)."""
+    runs = kinds_for(native.cpu_flags(), native.cpu_vendor())
     asked = os.environ.get("LOCALSERVE_CPU_KERNELS")
     if not asked:
-        return best
+        return runs
     if asked == "torch":
-        return None
-    order = list(SOURCES)
-    if asked not in order or best is None or order.index(asked) < order.index(best):
-        runs = [*(order[order.index(best):] if best else []), "torch"]
-        log.warning("LOCALSERVE_CPU_KERNELS=%r ignored: this CPU runs %s", asked, runs)
-        return best
-    return asked
+        return []
+    if asked not in runs:
+        log.warning("LOCALSERVE_CPU_KERNELS=%r ignored: this CPU runs %s", asked,
+                    [*runs, "torch"])
+        return runs
+    return runs[runs.index(asked):]
 
 
-KIND = _kind()
+KINDS = _kinds()
+KIND = KINDS[0] if KINDS else None
 SOURCE = SOURCES.get(KIND)  # this machine's source, or None
 BLOCK = 32  # outputs per block of the layout: a layer's out_features must be a multiple
 # Prompt rows: where amx_gemm.c runs, it takes them too, with no unpacked copy (prefill of 16
@@ -198,9 +206,7 @@ def checked():
     """This machine's library if it is built and passed the checks, else the next kind's that
     did (amx_gemm.c without the kernel's permission for AMX: avx512_gemm.c), else None."""
     if not _state:
-        order = list(SOURCES)
-        kinds = order[order.index(KIND):] if KIND is not None else []
-        lib = next(filter(None, map(of_kind, kinds)), None)
+        lib = next(filter(None, map(of_kind, KINDS)), None)
         with _lock:
             if not _state:
                 _state.append(lib)

@@ -131,12 +131,22 @@ def cpu_flags() -> set[str]:
     return set(line.partition(":")[2].split()) if line.startswith("flags") else set()
 
 
+def cpu_vendor() -> str:
+    """The CPU's vendor_id (/proc/cpuinfo: "GenuineIntel", "AuthenticAMD"), "" where unknown."""
+    return _cpuinfo("vendor_id").partition(":")[2].strip()
+
+
 def _cpu_flags() -> str:
+    return _cpuinfo("flags") or platform.processor()
+
+
+def _cpuinfo(key: str) -> str:
+    """The first /proc/cpuinfo line that starts with `key`, "" where none."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
+                if line.startswith(key):
                     return line
     except OSError:
         pass
-    return platform.processor()
+    return ""

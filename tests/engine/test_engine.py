@@ -302,12 +302,23 @@ def test_bf16_kv_pool_holds_twice_the_blocks_and_gives_the_same_tokens(llama):
 
 
 @pytest.mark.parametrize("native_bf16", [False, True])
-def test_the_default_pool_is_bf16_where_compute_is_fp32_without_native_bf16(
-        llama, monkeypatch, native_bf16):
+@pytest.mark.parametrize("kernels_fp32", [False, True])
+def test_the_default_dtypes_follow_the_cpu_and_its_kernels(llama, monkeypatch, native_bf16,
+                                                           kernels_fp32):
+    """Compute: bf16 where the CPU has native bf16, but fp32 for int4/int8 models whose layers
+    run avx2_gemm.c (Intel with AVX-512 BF16 and no AMX). The pool: bf16 under fp32 compute,
+    except beside bf16-activation kernels on a native-bf16 CPU (`--dtype fp32` there)."""
     from server.models import device
 
     monkeypatch.setattr(device, "cpu_has_native_bf16", lambda: native_bf16)
-    pool = torch.float32 if native_bf16 else torch.bfloat16  # --dtype fp32 on AVX-512 BF16: fp32
+    monkeypatch.setattr(device, "cpu_kernels_take_fp32", lambda: kernels_fp32)
+    for bits in (4, 8, 16):
+        compute = torch.bfloat16 if native_bf16 and (bits == 16 or not kernels_fp32) else \
+            torch.float32
+        assert device.pick_dtype(CPU, None, bits) == compute
+        assert device.pick_dtype(CPU, "bf16", bits) == torch.bfloat16  # asked: as asked
+        assert device.pick_dtype(torch.device("cuda"), None, bits) == torch.bfloat16
+    pool = torch.float32 if native_bf16 and not kernels_fp32 else torch.bfloat16
     engine = Engine(llama, EngineConfig(kv_cache_bytes=1 << 20), CPU, torch.float32)
     assert engine.kv_dtype == engine.runner.kv_caches[0][0].dtype == pool
     assert len(engine.block_manager.blocks) == (1 << 20) // (2 * 2 * 16 * 2 * 32 * pool.itemsize)
@@ -316,6 +327,15 @@ def test_the_default_pool_is_bf16_where_compute_is_fp32_without_native_bf16(
     assert asked.runner.kv_caches[0][0].dtype == torch.float32
     assert device.pick_kv_dtype(CPU, torch.bfloat16) == torch.bfloat16
     assert device.pick_kv_dtype(torch.device("cuda"), torch.float32) == torch.float32
+
+
+def test_the_kernels_taking_fp32_is_this_cpus_first_kind():
+    from server.models import device
+    from server.quant import cpu_gemm
+
+    assert device.cpu_kernels_take_fp32() == (cpu_gemm.KIND == "avx2")
+    if cpu_gemm.checked() is cpu_gemm.of_kind(cpu_gemm.KIND) is not None:  # the first kind built
+        assert device.cpu_kernels_take_fp32() == cpu_gemm.takes_fp32()
 
 
 @pytest.fixture(scope="module", params=[4, 8])

@@ -19,7 +19,7 @@ from server.quant.int4 import (
     unpack_int4,
 )
 from server.quant.int8 import Int8Embedding, Int8Linear, dequantize_int8, quantize_int8
-from server.quant.native import cpu_flags
+from server.quant.native import cpu_flags, cpu_vendor
 from server.quant.rows import tiled_linear
 
 
@@ -143,12 +143,15 @@ def test_int4_kernel_matches_reference(rows):
 
 
 FLAGS = cpu_flags()
-# The kernels this CPU can run: its own kind and those below it (an AMX machine runs
-# avx512_gemm.c and avx2_gemm.c too, so the kernels below are tested wherever CI runs).
+# The kernels this CPU can run, its first pick first (an AMX machine runs avx512_gemm.c and
+# avx2_gemm.c too, so each kind it has is tested wherever CI runs).
 KERNEL_KINDS = [k for k, need in (
     ("amx", {"avx512_bf16", "avx512bw", "amx_bf16", "amx_tile"}),
     ("avx512_bf16", {"avx512_bf16", "avx512bw"}),
     ("avx2", {"avx2", "fma", "f16c"})) if need <= FLAGS]
+if KERNEL_KINDS[:2] == ["avx512_bf16", "avx2"] and cpu_vendor() == "GenuineIntel" and \
+        "avx512_vnni" in FLAGS:
+    KERNEL_KINDS[:2] = ["avx2", "avx512_bf16"]  # Intel without AMX: the VNNI path first
 
 
 def test_our_kernels_serve_every_cpu_with_avx2_or_avx512_bf16():
@@ -157,8 +160,8 @@ def test_our_kernels_serve_every_cpu_with_avx2_or_avx512_bf16():
     avx2_gemm.c with AVX2 + FMA only; PyTorch's elsewhere."""
     from server.quant import cpu_gemm
 
-    assert (KERNEL_KINDS[0] if KERNEL_KINDS else None) == cpu_gemm.kind_for(FLAGS)
-    assert cpu_gemm._kind() == cpu_gemm.KIND  # the CPU's, unless LOCALSERVE_CPU_KERNELS says
+    assert cpu_gemm.kinds_for(FLAGS, cpu_vendor()) == KERNEL_KINDS
+    assert cpu_gemm._kinds() == cpu_gemm.KINDS  # the CPU's, unless LOCALSERVE_CPU_KERNELS says
     assert (cpu_gemm.checked() is not None) == (cpu_gemm.KIND is not None)
     assert all(cpu_gemm.of_kind(kind) is not None for kind in KERNEL_KINDS)
     layer = Int4Linear(64, 32, 32)
@@ -169,25 +172,38 @@ def test_our_kernels_serve_every_cpu_with_avx2_or_avx512_bf16():
     assert (layer.kernel_weight is not None) != (cpu_gemm.KIND is not None)
 
 
-def test_the_kernel_kind_follows_the_cpu_and_can_be_forced_down_only(monkeypatch, caplog):
+def test_the_kernel_kind_follows_the_cpu_and_can_be_forced_to_another_it_runs(
+        monkeypatch, caplog):
     from server.quant import cpu_gemm, native
 
-    avx512 = {"avx2", "fma", "f16c", "avx512_bf16", "avx512bw"}
-    assert cpu_gemm.kind_for(avx512 | {"amx_bf16", "amx_tile"}) == "amx"
-    assert cpu_gemm.kind_for(avx512) == "avx512_bf16"
-    assert cpu_gemm.kind_for({"avx2", "fma", "f16c"}) == "avx2"
-    assert cpu_gemm.kind_for({"avx", "sse4_2"}) is None
+    avx512 = {"avx2", "fma", "f16c", "avx512_bf16", "avx512bw", "avx512_vnni"}
+    amx = avx512 | {"amx_bf16", "amx_tile"}
+    for vendor in ("GenuineIntel", "AuthenticAMD", ""):
+        assert cpu_gemm.kinds_for(amx, vendor) == ["amx", "avx512_bf16", "avx2"]
+        assert cpu_gemm.kinds_for({"avx2", "fma", "f16c"}, vendor) == ["avx2"]
+        assert cpu_gemm.kinds_for({"avx", "sse4_2"}, vendor) == []
+    # AVX-512 BF16 without AMX: avx2_gemm.c's VNNI path first on Intel, avx512_gemm.c on AMD
+    assert cpu_gemm.kinds_for(avx512, "GenuineIntel") == ["avx2", "avx512_bf16"]
+    assert cpu_gemm.kinds_for(avx512, "AuthenticAMD") == ["avx512_bf16", "avx2"]
+    assert cpu_gemm.kinds_for(avx512 - {"avx512_vnni"}, "GenuineIntel") == [
+        "avx512_bf16", "avx2"]
+    monkeypatch.setattr(native, "cpu_vendor", lambda: "AuthenticAMD")
     monkeypatch.setattr(native, "cpu_flags", lambda: avx512)
-    for asked, kind in (("", "avx512_bf16"), ("avx2", "avx2"), ("torch", None)):
+    for asked, kinds in (("", ["avx512_bf16", "avx2"]), ("avx2", ["avx2"]), ("torch", [])):
         monkeypatch.setenv("LOCALSERVE_CPU_KERNELS", asked)
-        assert cpu_gemm._kind() == kind
-    monkeypatch.setattr(native, "cpu_flags", lambda: avx512 | {"amx_bf16", "amx_tile"})
-    for asked, kind in (("", "amx"), ("avx512_bf16", "avx512_bf16"), ("avx2", "avx2")):
+        assert cpu_gemm._kinds() == kinds
+    monkeypatch.setattr(native, "cpu_vendor", lambda: "GenuineIntel")
+    for asked, kinds in (("", ["avx2", "avx512_bf16"]), ("avx512_bf16", ["avx512_bf16"])):
         monkeypatch.setenv("LOCALSERVE_CPU_KERNELS", asked)
-        assert cpu_gemm._kind() == kind
+        assert cpu_gemm._kinds() == kinds
+    monkeypatch.setattr(native, "cpu_flags", lambda: amx)
+    for asked, kinds in (("", ["amx", "avx512_bf16", "avx2"]),
+                         ("avx512_bf16", ["avx512_bf16", "avx2"]), ("avx2", ["avx2"])):
+        monkeypatch.setenv("LOCALSERVE_CPU_KERNELS", asked)
+        assert cpu_gemm._kinds() == kinds
     monkeypatch.setattr(native, "cpu_flags", lambda: {"avx2", "fma", "f16c"})
     monkeypatch.setenv("LOCALSERVE_CPU_KERNELS", "avx512_bf16")
-    assert cpu_gemm._kind() == "avx2"  # the CPU cannot: ignored
+    assert cpu_gemm._kinds() == ["avx2"]  # the CPU cannot: ignored
     assert "ignored" in caplog.text
 
 
@@ -244,7 +260,7 @@ def test_a_kind_whose_library_is_refused_hands_over_to_the_next(monkeypatch):
     from server.quant import cpu_gemm
 
     first, second = KERNEL_KINDS[:2]
-    monkeypatch.setattr(cpu_gemm, "KIND", first)
+    monkeypatch.setattr(cpu_gemm, "KINDS", KERNEL_KINDS)
     monkeypatch.setattr(cpu_gemm, "_state", [])
     monkeypatch.setitem(cpu_gemm._by_kind, first, None)
     assert cpu_gemm.checked() is cpu_gemm.of_kind(second) is not None
