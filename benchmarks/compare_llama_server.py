@@ -332,8 +332,9 @@ def machine_kind() -> str:
 
 
 def kind_of(flags: set[str], family: str, held_to_avx2: bool = False) -> str:
-    """amx, zen4, zen5, avx512 (another AVX-512 BF16 CPU), avx512-vnni (AVX-512 VNNI without
-    BF16: fp32 compute, avx2_gemm.c's VNNI path) or avx2 (a machine held to AVX2 too: its
+    """amx, zen4, zen5, avx512 (another AVX-512 BF16 CPU: an Intel one without AMX takes
+    avx2_gemm.c's VNNI path since 2026-12-04), avx512-vnni (AVX-512 VNNI without BF16: fp32
+    compute, avx2_gemm.c's VNNI path) or avx2 (a machine held to AVX2 too: its
     proxy). AMD's AVX-512 BF16 cores differ 2x: Zen 4 (family 25) splits 512-bit work in halves,
     Zen 5 (26) does not."""
     if held_to_avx2:
