@@ -38,19 +38,20 @@ SOURCES = {"amx": Path(__file__).with_name("amx_gemm.c"),
 
 def kinds_for(flags: set[str], vendor: str = "") -> list[str]:
     """The kinds of kernels a CPU with these flags runs, the fastest first (empty: PyTorch's).
-    An Intel CPU with AVX-512 BF16 and VNNI but no AMX (Cooper Lake, or a newer Xeon whose VM
-    hides AMX) takes avx2_gemm.c's AVX-512 VNNI path before avx512_gemm.c: there vdpbf16ps on
-    weights converted to bf16 is the slower of the two at every row count (smollm2-135m:int4
-    decode 1.4x faster at one sequence and 2.4x at 32, the 1.7B shape 1.1-3.3x) [Intel(R)
-    Xeon(R) Processor, family 6 model 207, AVX-512 BF16 yes, AMX no]; on AMD's AVX-512 BF16
-    cores avx512_gemm.c stays first (measured fastest there, benchmarks/RESULTS.md)."""
+    On Intel CPUs with AVX-512 VNNI, avx2_gemm.c's VNNI path comes before avx512_gemm.c: there
+    vdpbf16ps on weights converted to bf16 is the slower of the two at every row count
+    (smollm2-135m:int4 decode 1.4x faster at one sequence and 2.4x at 32, the 1.7B shape
+    1.1-3.3x) [Intel(R) Xeon(R) Processor, family 6 model 207, AVX-512 BF16 yes, AMX no]. So
+    such a CPU without AMX (Cooper Lake, or a Xeon whose VM hides AMX) takes it first, and one
+    whose OS refuses AMX state falls back to it. AMD's AVX-512 BF16 cores keep avx512_gemm.c
+    (not measured against the VNNI path there)."""
     kinds = [kind for kind, need in (
         ("amx", {"avx512_bf16", "avx512bw", "amx_bf16", "amx_tile"}),
         ("avx512_bf16", {"avx512_bf16", "avx512bw"}),
         ("avx2", {"avx2", "fma", "f16c"})) if need <= flags]
-    if kinds[:2] == ["avx512_bf16", "avx2"] and vendor == "GenuineIntel" and \
-            "avx512_vnni" in flags:
-        kinds[:2] = ["avx2", "avx512_bf16"]
+    if vendor == "GenuineIntel" and "avx512_vnni" in flags and kinds[-2:] == [
+            "avx512_bf16", "avx2"]:
+        kinds[-2:] = ["avx2", "avx512_bf16"]
     return kinds
 
 
@@ -204,7 +205,7 @@ def unpack_t(packed: torch.Tensor, group: int, out: torch.Tensor,
 
 def checked():
     """This machine's library if it is built and passed the checks, else the next kind's that
-    did (amx_gemm.c without the kernel's permission for AMX: avx512_gemm.c), else None."""
+    did (amx_gemm.c without the kernel's permission for AMX: the next of KINDS), else None."""
     if not _state:
         lib = next(filter(None, map(of_kind, KINDS)), None)
         with _lock:

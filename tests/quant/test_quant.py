@@ -149,9 +149,9 @@ KERNEL_KINDS = [k for k, need in (
     ("amx", {"avx512_bf16", "avx512bw", "amx_bf16", "amx_tile"}),
     ("avx512_bf16", {"avx512_bf16", "avx512bw"}),
     ("avx2", {"avx2", "fma", "f16c"})) if need <= FLAGS]
-if KERNEL_KINDS[:2] == ["avx512_bf16", "avx2"] and cpu_vendor() == "GenuineIntel" and \
+if KERNEL_KINDS[-2:] == ["avx512_bf16", "avx2"] and cpu_vendor() == "GenuineIntel" and \
         "avx512_vnni" in FLAGS:
-    KERNEL_KINDS[:2] = ["avx2", "avx512_bf16"]  # Intel without AMX: the VNNI path first
+    KERNEL_KINDS[-2:] = ["avx2", "avx512_bf16"]  # Intel: the VNNI path before vdpbf16ps
 
 
 def test_our_kernels_serve_every_cpu_with_avx2_or_avx512_bf16():
@@ -178,8 +178,9 @@ def test_the_kernel_kind_follows_the_cpu_and_can_be_forced_to_another_it_runs(
 
     avx512 = {"avx2", "fma", "f16c", "avx512_bf16", "avx512bw", "avx512_vnni"}
     amx = avx512 | {"amx_bf16", "amx_tile"}
+    assert cpu_gemm.kinds_for(amx, "GenuineIntel") == ["amx", "avx2", "avx512_bf16"]
+    assert cpu_gemm.kinds_for(amx, "") == ["amx", "avx512_bf16", "avx2"]
     for vendor in ("GenuineIntel", "AuthenticAMD", ""):
-        assert cpu_gemm.kinds_for(amx, vendor) == ["amx", "avx512_bf16", "avx2"]
         assert cpu_gemm.kinds_for({"avx2", "fma", "f16c"}, vendor) == ["avx2"]
         assert cpu_gemm.kinds_for({"avx", "sse4_2"}, vendor) == []
     # AVX-512 BF16 without AMX: avx2_gemm.c's VNNI path first on Intel, avx512_gemm.c on AMD
@@ -197,8 +198,8 @@ def test_the_kernel_kind_follows_the_cpu_and_can_be_forced_to_another_it_runs(
         monkeypatch.setenv("LOCALSERVE_CPU_KERNELS", asked)
         assert cpu_gemm._kinds() == kinds
     monkeypatch.setattr(native, "cpu_flags", lambda: amx)
-    for asked, kinds in (("", ["amx", "avx512_bf16", "avx2"]),
-                         ("avx512_bf16", ["avx512_bf16", "avx2"]), ("avx2", ["avx2"])):
+    for asked, kinds in (("", ["amx", "avx2", "avx512_bf16"]),
+                         ("avx512_bf16", ["avx512_bf16"]), ("avx2", ["avx2", "avx512_bf16"])):
         monkeypatch.setenv("LOCALSERVE_CPU_KERNELS", asked)
         assert cpu_gemm._kinds() == kinds
     monkeypatch.setattr(native, "cpu_flags", lambda: {"avx2", "fma", "f16c"})
