@@ -69,7 +69,7 @@ def main() -> None:
     args = ap.parse_args()
     stored = ModelStore().resolve(args.model)
     device = pick_device()
-    dtype = pick_dtype(device, args.dtype)
+    dtype = pick_dtype(device, args.dtype, stored.manifest["bits"])
     model = load_model(stored, device, dtype).model
     tokenizer = load_tokenizer(stored)
     engine = Engine(model, EngineConfig(enable_prefix_caching=False), device, dtype)

@@ -71,7 +71,7 @@ DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.floa
           "float32": torch.float32, "fp16": torch.float16}
 
 
-def pick_dtype(device: torch.device, name: str | None = None, bits: int = 16) -> torch.dtype:
+def pick_dtype(device: torch.device, name: str | None, bits: int) -> torch.dtype:
     """The compute dtype `name` asks for, else bf16 on CUDA; on a CPU bf16 where it has native
     bf16, except for a model of `bits` 4 or 8 whose layers run avx2_gemm.c there
     (cpu_kernels_take_fp32: an Intel CPU with AVX-512 BF16 and no AMX): fp32 and a bf16 KV pool
