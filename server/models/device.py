@@ -32,12 +32,9 @@ def pick_device(name: str | None = None) -> torch.device:
 @functools.cache
 def cpu_has_native_bf16() -> bool:
     """AVX-512 BF16 or AMX: bf16 matmuls run natively instead of being emulated."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return False
-    return " avx512_bf16" in flags or " amx_bf16" in flags
+    from server.quant import native
+
+    return bool({"avx512_bf16", "amx_bf16"} & native.cpu_flags())
 
 
 def cpu_kernels_take_fp32() -> bool:

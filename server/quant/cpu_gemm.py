@@ -36,7 +36,7 @@ SOURCES = {"amx": Path(__file__).with_name("amx_gemm.c"),
            "avx2": Path(__file__).with_name("avx2_gemm.c")}
 
 
-def kinds_for(flags: set[str], vendor: str = "") -> list[str]:
+def kinds_for(flags: set[str], vendor: str) -> list[str]:
     """The kinds of kernels a CPU with these flags runs, the fastest first (empty: PyTorch's).
     On Intel CPUs with AVX-512 VNNI, avx2_gemm.c's VNNI path comes before avx512_gemm.c: there
     vdpbf16ps on weights converted to bf16 is the slower of the two at every row count
