@@ -158,7 +158,8 @@ def create_app(settings: ServerSettings, state: ServerState | None = None) -> St
             try:
                 if state.engine is None:
                     await asyncio.to_thread(load_into, state)
-                log.info("model %s ready; %s", state.served_name,
+                log.info("model %s ready on %s, %s compute; %s", state.served_name,
+                         state.engine.device, str(state.engine.dtype).removeprefix("torch."),
                          kv_summary(state.engine.stats(), settings.engine, state.engine.device))
             except Exception as e:  # noqa: BLE001 - reported by /health and every request
                 state.load_error = f"{type(e).__name__}: {e}"

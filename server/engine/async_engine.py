@@ -160,6 +160,11 @@ class AsyncEngine:
         return self.engine.runner.device
 
     @property
+    def dtype(self):
+        """The compute dtype (device.pick_dtype's, or --dtype's)."""
+        return self.engine.runner.dtype
+
+    @property
     def max_request_tokens(self) -> int:
         return self.engine.max_request_tokens
 

@@ -140,11 +140,12 @@ def test_idle_server_hands_kv_memory_back_and_says_what_the_pool_holds(tiny_home
     # of 32), 512 blocks, 8,192 tokens; the need (64 sequences at 512 tokens) is larger.
     proc = own_server(tiny_home, tmp_path, [MODEL, "--kv-cache-mb", "8", "--kv-cache-dtype",
                                             "fp32", "--idle-release-seconds", "1",
-                                            "--idle-cache-mb", "0", "--device", "cpu"])
+                                            "--idle-cache-mb", "0", "--device", "cpu",
+                                            "--dtype", "fp32"])
     try:
         deadline = time.monotonic() + 30  # logged as the model is ready, maybe just after
-        while "KV cache: up to 8192 tokens (8 MB, float32), resident only as used" not in \
-                proc.log.read_text():
+        while "ready on cpu, float32 compute; KV cache: up to 8192 tokens (8 MB, float32), " \
+                "resident only as used" not in proc.log.read_text():
             assert time.monotonic() < deadline, proc.log.read_text()[-2000:]
             time.sleep(0.05)
         body = LONG | {"max_tokens": 5, "temperature": 0}

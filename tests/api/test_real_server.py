@@ -16,6 +16,18 @@ def test_health_was_503_while_loading(real_server):
     assert real_server.health_seen[0] == 503 and real_server.health_seen[-1] == 200
 
 
+def test_the_int4_model_computes_in_the_dtype_picked_for_int4_here(real_server):
+    """The server picks the compute dtype from the model's bits: fp32 for int4 where its layers
+    run avx2_gemm.c (an Intel CPU with AVX-512 BF16 and no AMX too), bf16 where the kernels take
+    bf16 (AMX, Zen 4/5)."""
+    import torch
+
+    from server.models.device import pick_dtype
+
+    want = str(pick_dtype(torch.device("cpu"), None, 4)).removeprefix("torch.")
+    assert f"smollm2-135m:int4 ready on cpu, {want} compute;" in real_server.log.read_text()
+
+
 @pytest.fixture(scope="module")
 def client(real_server):
     from openai import OpenAI
