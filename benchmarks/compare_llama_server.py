@@ -34,6 +34,7 @@ import httpx
 import random_gguf  # benchmarks/random_gguf.py, beside this script
 
 from cli.bench import plot
+from server.quant import native
 from storage.models import ModelStore, home_dir
 
 RESULTS = Path(__file__).parent / "results"
@@ -132,18 +133,7 @@ def read_bandwidth() -> float:
 
 def cpu() -> tuple[str, str, set[str]]:
     """/proc/cpuinfo's model name, CPU family and flags (of the first CPU)."""
-    name, family, flags = "?", "", None
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            key, value = key.strip(), value.strip()
-            if key == "model name" and name == "?":
-                name = value
-            elif key == "cpu family" and not family:
-                family = value
-            elif key == "flags" and flags is None:
-                flags = set(value.split())
-    return name, family, flags or set()
+    return native.cpuinfo("model name") or "?", native.cpuinfo("cpu family"), native.cpu_flags()
 
 
 def held_to_avx2() -> bool:

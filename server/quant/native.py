@@ -127,13 +127,18 @@ def _sources(source: Path, seen: set[Path] | None = None) -> list[bytes]:
 
 def cpu_flags() -> set[str]:
     """The CPU's feature flags (/proc/cpuinfo), empty where unknown."""
-    line = _cpu_flags()
-    return set(line.partition(":")[2].split()) if line.startswith("flags") else set()
+    return set(cpuinfo("flags").split())
 
 
 def cpu_vendor() -> str:
     """The CPU's vendor_id (/proc/cpuinfo: "GenuineIntel", "AuthenticAMD"), "" where unknown."""
-    return _cpuinfo("vendor_id").partition(":")[2].strip()
+    return cpuinfo("vendor_id")
+
+
+def cpuinfo(key: str) -> str:
+    """The value of the first CPU's `key` in /proc/cpuinfo ("flags", "model name", "cpu
+    family"), "" where unknown."""
+    return _cpuinfo(key).partition(":")[2].strip()
 
 
 def _cpu_flags() -> str:
@@ -141,11 +146,11 @@ def _cpu_flags() -> str:
 
 
 def _cpuinfo(key: str) -> str:
-    """The first /proc/cpuinfo line that starts with `key`, "" where none."""
+    """The first /proc/cpuinfo line whose key is `key`, "" where none."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith(key):
+                if line.partition(":")[0].strip() == key:
                     return line
     except OSError:
         pass
