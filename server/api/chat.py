@@ -2,6 +2,8 @@
 
 With a response format or tools in force the request decodes under a grammar; with tools
 offered the text is split into content and `tool_calls` (tool_calls.py), whole or streamed.
+With the deprecated `functions` the one call is the message's `function_call` instead, and
+the choice finishes with "function_call" where tools' finish with "tool_calls".
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ class _Run:
         self.token_text = TokenText(state.tokenizer)
         self.created = int(time.time())
         self.calls_tools = turn.calls_tools
+        self.legacy = req.tool_use is not None and req.tool_use.legacy  # `functions`
 
     def _object(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.rid, "object": kind, "created": self.created,
@@ -83,9 +86,11 @@ class _Run:
                 parser = ToolCallParser()
                 content = parser.feed(message["content"]).content + parser.finish().content
                 message["content"] = content or (None if parser.calls else "")
-                if parser.calls:
+                if parser.calls and self.legacy:
+                    message["function_call"] = openai_calls(parser.calls)[0]["function"]
+                elif parser.calls:
                     message["tool_calls"] = openai_calls(parser.calls)
-                    finish[i] = finish_with_calls(finish[i], parser)
+                finish[i] = self._finish(finish_with_calls(finish[i], parser))
             choices.append({
                 "index": i, "message": message,
                 "logprobs": {"content": logprobs[i], "refusal": None} if with_logprobs else None,
@@ -111,20 +116,26 @@ class _Run:
             if not self.calls_tools:
                 delta = {"content": chunk.text} if chunk.text or lp is not None else None
             else:
-                delta = _delta(Parsed(piece.content, piece.calls), lp is not None)
+                delta = _delta(Parsed(piece.content, piece.calls), lp is not None, self.legacy)
             if delta is not None:
                 yield event(chunk.index, delta, logprobs=lp)
             if piece.finish_reason is not None:
-                yield event(chunk.index, {}, piece.finish_reason)
+                yield event(chunk.index, {}, self._finish(piece.finish_reason))
         if self.req.include_usage:
             yield self._object("chat.completion.chunk", []) | {"usage": self.count.usage()}
 
+    def _finish(self, reason: str | None) -> str | None:
+        return "function_call" if self.legacy and reason == "tool_calls" else reason
 
-def _delta(parsed: Parsed, has_logprobs: bool) -> dict[str, Any] | None:
-    """A stream event's delta: content and call pieces (None: nothing to send)."""
+
+def _delta(parsed: Parsed, has_logprobs: bool, legacy: bool) -> dict[str, Any] | None:
+    """A stream event's delta: content and call pieces (None: nothing to send); `legacy`: the
+    one call's pieces as `function_call` ({name, arguments} first, then arguments)."""
     delta: dict[str, Any] = {}
     if parsed.content or (has_logprobs and not parsed.calls):
         delta["content"] = parsed.content
-    if parsed.calls:
+    if parsed.calls and legacy:
+        delta["function_call"] = openai_deltas(parsed.calls)[0]["function"]
+    elif parsed.calls:
         delta["tool_calls"] = openai_deltas(parsed.calls)
     return delta or None

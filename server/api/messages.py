@@ -1,4 +1,7 @@
-"""Chat messages parsed: roles, content parts, an assistant's past tool calls, tool results."""
+"""Chat messages parsed: roles, content parts, an assistant's past tool calls, tool results.
+
+The deprecated forms become the current ones: an assistant's `function_call` a tool call, a
+`function` message (its `name` and `content`) that call's tool result."""
 
 from __future__ import annotations
 
@@ -6,7 +9,7 @@ from typing import Any
 
 from server.api.errors import invalid, unsupported
 
-ROLES = ("system", "developer", "user", "assistant", "tool")
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 
 def parse_messages(v: Any) -> list[dict[str, Any]]:
@@ -18,18 +21,25 @@ def parse_messages(v: Any) -> list[dict[str, Any]]:
     if not v:
         raise invalid("messages", "'messages' must contain at least one message.")
     out = []
+    function_call_id = None  # the id given to the last deprecated `function_call`
     for i, m in enumerate(v):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
             raise invalid(where, f"Invalid type for '{where}': expected an object.")
         role = m.get("role")
-        if role == "function" or m.get("function_call"):
-            raise unsupported(f"{where}.role", "the deprecated function messages; use 'tool'")
         if not isinstance(role, str) or role not in ROLES:
             raise invalid(f"{where}.role", f"Invalid value for '{where}.role': {role!r}. "
                           f"Supported values are: {', '.join(map(repr, ROLES))}.")
         calls = _tool_calls(m.get("tool_calls"), f"{where}.tool_calls", role)
-        content = _content(m.get("content"), f"{where}.content", role, bool(calls))
+        if m.get("function_call") is not None and role == "assistant":
+            if calls:
+                raise invalid(f"{where}.function_call", f"Set '{where}.tool_calls' or the "
+                              f"deprecated '{where}.function_call', not both.")
+            function_call_id = f"call_{i}"
+            calls = [{"id": function_call_id, "type": "function",
+                      "function": _function(m["function_call"], f"{where}.function_call")}]
+        content = _content(m.get("content"), f"{where}.content", role,
+                           bool(calls) or role == "function")
         refusal = m.get("refusal")
         if refusal is not None and not isinstance(refusal, str):
             raise invalid(f"{where}.refusal", f"Invalid type for '{where}.refusal': expected "
@@ -44,6 +54,10 @@ def parse_messages(v: Any) -> list[dict[str, Any]]:
                                    "content": content}
         if calls:
             message["tool_calls"] = calls
+        if role == "function":  # the result of the deprecated `function_call` before it
+            if not isinstance(m.get("name"), str):
+                raise invalid(f"{where}.name", f"Missing required parameter: '{where}.name'.")
+            message |= {"role": "tool", "tool_call_id": function_call_id or f"call_{m['name']}"}
         if role == "tool":
             call_id = m.get("tool_call_id")
             if not isinstance(call_id, str):
@@ -57,6 +71,7 @@ def parse_messages(v: Any) -> list[dict[str, Any]]:
 MESSAGE_FIELDS = {
     "system": ("role", "content", "name"), "developer": ("role", "content", "name"),
     "user": ("role", "content", "name"), "tool": ("role", "content", "tool_call_id"),
+    "function": ("role", "content", "name"),
     "assistant": ("role", "content", "name", "refusal", "tool_calls", "audio",
                   "function_call"),
 }
@@ -79,12 +94,17 @@ def _tool_calls(v: Any, where: str, role: str) -> list[dict[str, Any]]:
                           "'function'.")
         if c.get("type", "function") != "function":
             raise unsupported(f"{w}.type", f"tool calls of type {c.get('type')!r}")
-        if not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments"), str):
-            raise invalid(f"{w}.function", f"Invalid '{w}.function': expected 'name' and "
-                          "'arguments' strings.")
         calls.append({"id": c["id"], "type": "function",
-                      "function": {"name": fn["name"], "arguments": fn["arguments"]}})
+                      "function": _function(fn, f"{w}.function")})
     return calls
+
+
+def _function(fn: Any, where: str) -> dict[str, str]:
+    """A past call's {name, arguments}."""
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(
+            fn.get("arguments"), str):
+        raise invalid(where, f"Invalid '{where}': expected 'name' and 'arguments' strings.")
+    return {"name": fn["name"], "arguments": fn["arguments"]}
 
 
 def _content(v: Any, where: str, role: str, has_calls: bool = False) -> str:

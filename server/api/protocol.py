@@ -13,7 +13,7 @@ from typing import Any
 from server.api.errors import invalid, unsupported
 from server.api.messages import parse_messages
 from server.api.structured import parse_response_format
-from server.api.tools import ToolUse, parse_tools
+from server.api.tools import ToolUse, parse_functions, parse_tools
 from server.engine.sequence import SamplingParams
 
 MAX_N = 16
@@ -206,6 +206,18 @@ def _max_tokens(f: Fields) -> int | None:
     return a if a is not None else b
 
 
+def _tool_use(f: Fields) -> ToolUse | None:
+    """`tools` and `tool_choice`, or the deprecated `functions` and `function_call`."""
+    tool_use = parse_tools(f.raw("tools"), f.raw("tool_choice"), f.raw("parallel_tool_calls"))
+    functions = parse_functions(f.raw("functions"), f.raw("function_call"))
+    if functions is None:
+        return tool_use
+    for new, old in (("tools", "functions"), ("tool_choice", "function_call")):
+        if f.raw(new) is not None and f.raw(old) is not None:
+            raise invalid(old, f"Set '{new}' or the deprecated '{old}', not both.")
+    return functions
+
+
 def parse_chat(body: dict[str, Any], vocab_size: int) -> ChatRequest:
     f = Fields(body)
     messages = parse_messages(f.raw("messages"))
@@ -215,9 +227,7 @@ def parse_chat(body: dict[str, Any], vocab_size: int) -> ChatRequest:
     if top and not logprobs:
         raise invalid("top_logprobs", "'top_logprobs' requires 'logprobs' to be true.")
     max_tokens = _max_tokens(f)
-    tool_use = parse_tools(f.raw("tools"), f.raw("tool_choice"), f.raw("parallel_tool_calls"))
-    f.refuse("functions", what="the deprecated 'functions'; use 'tools'")
-    f.refuse("function_call", (None, "none"), "the deprecated 'function_call'; use 'tool_choice'")
+    tool_use = _tool_use(f)
     output = parse_response_format(f.raw("response_format"))
     f.refuse("audio")
     f.refuse("modalities", (None, ["text"]))

@@ -13,6 +13,9 @@ back as `<tool_response>` turns. The grammar, in llguidance's Lark:
 - "auto": free text, but once the model writes `<tool_call>` the call must be well-formed
   (a lazy lexeme: the text before the trigger is unconstrained);
 - "none": no tools in the prompt, no grammar, no parsing.
+The deprecated `functions` / `function_call` (still served by OpenAI and sent by older code and
+LangChain's function agents) are the same tools with one call at most, answered as the
+message's `function_call` (chat.py).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ class ToolUse:
     choice: str  # "none", "auto", "required" or "named"
     name: str | None = None  # the tool of a named choice
     parallel: bool = True
+    legacy: bool = False  # from `functions`: the call is answered as `function_call`
 
     @property
     def is_active(self) -> bool:
@@ -69,13 +73,43 @@ def parse_tools(tools: Any, choice: Any, parallel: Any) -> ToolUse | None:
         return None
     if not isinstance(tools, list):
         raise invalid("tools", "Invalid type for 'tools': expected an array.")
-    parsed = tuple(_tool(t, f"tools[{i}]") for i, t in enumerate(tools))
-    names = [t.name for t in parsed]
+    parsed = _unique(tuple(_tool(t, f"tools[{i}]") for i, t in enumerate(tools)),
+                     "tools[{}].function.name")
+    kind, name = _choice(choice, [t.name for t in parsed])
+    return ToolUse(parsed, kind, name, parallel is not False)
+
+
+def parse_functions(functions: Any, call: Any) -> ToolUse | None:
+    """The deprecated `functions` ([{name, description, parameters}]) and `function_call`
+    ("none", "auto" or {"name": ...}): tools of which the model calls one at most."""
+    if functions is None or functions == []:
+        if call not in (None, "none"):
+            raise invalid("function_call", "Invalid value for 'function_call': 'function_call' "
+                          "is only allowed when 'functions' are specified.")
+        return None
+    if not isinstance(functions, list):
+        raise invalid("functions", "Invalid type for 'functions': expected an array.")
+    parsed = _unique(tuple(_function(f, f"functions[{i}]") for i, f in enumerate(functions)),
+                     "functions[{}].name")
+    if call is None or call in ("none", "auto"):
+        return ToolUse(parsed, call or "auto", None, parallel=False, legacy=True)
+    name = call.get("name") if isinstance(call, dict) else None
+    if not isinstance(call, dict) or set(call) != {"name"} or not isinstance(name, str):
+        raise invalid("function_call", "Invalid value for 'function_call': expected 'none', "
+                      "'auto' or {\"name\": ...}.")
+    if name not in [f.name for f in parsed]:
+        raise invalid("function_call", f"Invalid value for 'function_call': no function named "
+                      f"{name!r} in 'functions'.")
+    return ToolUse(parsed, "named", name, parallel=False, legacy=True)
+
+
+def _unique(tools: tuple[Tool, ...], where: str) -> tuple[Tool, ...]:
+    """`tools`, or 400 at the first name given twice (`where`: its field, {} its index)."""
+    names = [t.name for t in tools]
     for i, name in enumerate(names):
         if name in names[:i]:
-            raise invalid(f"tools[{i}].function.name", f"Duplicate tool name: {name!r}.")
-    kind, name = _choice(choice, names)
-    return ToolUse(parsed, kind, name, parallel is not False)
+            raise invalid(where.format(i), f"Duplicate tool name: {name!r}.")
+    return tools
 
 
 def _tool(v: Any, where: str) -> Tool:
@@ -86,29 +120,33 @@ def _tool(v: Any, where: str) -> Tool:
     for key in v:
         if key not in ("type", "function"):
             raise invalid(f"{where}.{key}", f"Unrecognized parameter '{where}.{key}'.")
-    fn = v.get("function")
+    return _function(v.get("function"), f"{where}.function")
+
+
+def _function(fn: Any, where: str) -> Tool:
+    """A function's {name, description, parameters, strict} at `where` (a tool's `function`,
+    or an entry of the deprecated `functions`)."""
     if not isinstance(fn, dict):
-        raise invalid(f"{where}.function", f"Missing required parameter: '{where}.function'.")
+        raise invalid(where, f"Missing required parameter: '{where}'." if fn is None else
+                      f"Invalid type for '{where}': expected an object.")
     for key in fn:
         if key not in ("name", "description", "parameters", "strict"):
-            raise invalid(f"{where}.function.{key}",
-                          f"Unrecognized parameter '{where}.function.{key}'.")
+            raise invalid(f"{where}.{key}", f"Unrecognized parameter '{where}.{key}'.")
     name = fn.get("name")
     if not isinstance(name, str) or not NAME.match(name):
-        raise invalid(f"{where}.function.name", f"Invalid '{where}.function.name': expected a "
-                      "string of letters, digits, underscores and dashes, at most 64 long.")
+        raise invalid(f"{where}.name", f"Invalid '{where}.name': expected a string of letters, "
+                      "digits, underscores and dashes, at most 64 long.")
     description = fn.get("description") or ""
     if not isinstance(description, str):
-        raise invalid(f"{where}.function.description",
-                      f"Invalid type for '{where}.function.description': expected a string.")
+        raise invalid(f"{where}.description",
+                      f"Invalid type for '{where}.description': expected a string.")
     parameters = fn.get("parameters") or EMPTY_PARAMETERS
     if not isinstance(parameters, dict):
-        raise invalid(f"{where}.function.parameters",
-                      f"Invalid type for '{where}.function.parameters': expected a JSON "
-                      "schema object.")
+        raise invalid(f"{where}.parameters", f"Invalid type for '{where}.parameters': expected "
+                      "a JSON schema object.")
     if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
-        raise invalid(f"{where}.function.strict",
-                      f"Invalid type for '{where}.function.strict': expected a boolean.")
+        raise invalid(f"{where}.strict", f"Invalid type for '{where}.strict': expected a "
+                      "boolean.")
     return Tool(name, description, parameters)
 
 

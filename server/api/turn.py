@@ -102,7 +102,8 @@ def finish_with_calls(reason: str | None, parser: ToolCallParser) -> str | None:
 def _grammar_text(req: ChatRequest, schema_param: str) -> tuple[str | None, str]:
     """The grammar the answer follows (llguidance's text) and the field it comes from."""
     if req.tool_use is not None and req.tool_use.is_active:
-        return lark_grammar(tool_grammar(req.tool_use, req.output_schema)), "tools"
+        field = "functions" if req.tool_use.legacy else "tools"
+        return lark_grammar(tool_grammar(req.tool_use, req.output_schema)), field
     if req.output_schema is not None:
         return schema_grammar(req.output_schema, schema_param), schema_param
     return None, ""

@@ -4,14 +4,22 @@ tools gets, and tools through the official client on the tiny model (n, seed, lo
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import jsonschema
 import pytest
 
+from server.api.messages import parse_messages
 from server.api.tool_calls import ToolCallParser, openai_deltas
-from server.api.tools import hermes_system_prompt, parse_tools, tool_grammar, tool_messages
+from server.api.tools import (
+    hermes_system_prompt,
+    parse_functions,
+    parse_tools,
+    tool_grammar,
+    tool_messages,
+)
 from server.engine.grammar import GrammarCompiler, GrammarMasks, lark_grammar
-from tests.api.conftest import MODEL
+from tests.api.conftest import API_KEY, MODEL
 from tests.engine.test_grammar import allowed
 from tests.helpers import CHAT_TEMPLATE, VOCAB_SIZE, make_tokenizer
 
@@ -209,3 +217,78 @@ def test_required_calls_with_n_seed_and_logprobs(client, stream):
         jsonschema.validate(json.loads(call.function.arguments),
                             WEATHER["function"]["parameters"])
         assert c.logprobs.content  # one entry per token, the call's tokens included
+
+
+def test_deprecated_function_messages_become_tool_turns():
+    # An assistant's `function_call` is a call; the `function` message after it, its result.
+    messages = parse_messages([
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None,
+         "function_call": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+        {"role": "function", "name": "get_weather", "content": "21 C"},
+        {"role": "function", "name": "get_weather", "content": None},  # content may be null
+    ])
+    assert messages[1]["tool_calls"] == [{"id": "call_1", "type": "function", "function": {
+        "name": "get_weather", "arguments": '{"city": "Paris"}'}}]
+    assert messages[2] == {"role": "tool", "content": "21 C", "tool_call_id": "call_1"}
+    assert messages[3] == {"role": "tool", "content": "", "tool_call_id": "call_1"}
+    # `functions` are the same tools, one call at most, answered as `function_call`
+    use = parse_functions([WEATHER["function"]], None)
+    assert use == replace(parse_tools([WEATHER], "auto", False), legacy=True)
+    assert parse_functions([WEATHER["function"]], {"name": "get_weather"}) == replace(
+        parse_tools([WEATHER], {"type": "function", "function": {"name": "get_weather"}}, False),
+        legacy=True)
+    out, _ = tool_messages(messages, use, CHAT_TEMPLATE)
+    assert out[2:] == [
+        {"role": "assistant", "content": '<tool_call>\n{"name": "get_weather", "arguments": '
+                                         '{"city": "Paris"}}\n</tool_call>'},
+        {"role": "user", "content": "<tool_response>\n21 C\n</tool_response>\n"
+                                    "<tool_response>\n\n</tool_response>"}]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_deprecated_functions_through_the_official_client(client, stream):
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Weather?"}],
+              functions=[WEATHER["function"]], function_call={"name": "get_weather"}, n=2,
+              seed=5, temperature=1.0, max_tokens=120)
+    whole = client.chat.completions.create(**kw)
+    for c in whole.choices:
+        assert c.finish_reason == "function_call" and c.message.content is None
+        assert c.message.tool_calls is None and c.message.function_call.name == "get_weather"
+        jsonschema.validate(json.loads(c.message.function_call.arguments),
+                            WEATHER["function"]["parameters"])
+    if not stream:
+        return
+    calls: dict[int, list[str]] = {0: ["", ""], 1: ["", ""]}
+    finish = {}
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            assert not c.delta.content and not c.delta.tool_calls
+            if c.delta.function_call is not None:
+                calls[c.index][0] += c.delta.function_call.name or ""
+                calls[c.index][1] += c.delta.function_call.arguments or ""
+            finish[c.index] = c.finish_reason or finish.get(c.index)
+    assert finish == {0: "function_call", 1: "function_call"}
+    assert {i: tuple(v) for i, v in calls.items()} == {
+        c.index: (c.message.function_call.name, c.message.function_call.arguments)
+        for c in whole.choices}
+
+
+def test_langchain_functions_and_function_messages(server):
+    # LangChain's function-calling chains: `functions` bound, the call read back from
+    # `function_call`, and a FunctionMessage with the result sent in the next turn.
+    from langchain_core.messages import FunctionMessage, HumanMessage
+    from langchain_core.output_parsers.openai_functions import JsonOutputFunctionsParser
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(model=MODEL, base_url=f"{server.url}/v1", api_key=API_KEY,
+                     temperature=0, max_tokens=120, max_retries=0)
+    forced = llm.bind(functions=[WEATHER["function"]], function_call={"name": "get_weather"})
+    arguments = (forced | JsonOutputFunctionsParser()).invoke("Weather in Paris?")
+    jsonschema.validate(arguments, WEATHER["function"]["parameters"])
+    message = forced.invoke("Weather in Paris?")
+    assert message.additional_kwargs["function_call"]["name"] == "get_weather"
+    answer = llm.bind(functions=[WEATHER["function"]], max_tokens=8).invoke(
+        [HumanMessage("Weather in Paris?"), message,
+         FunctionMessage(name="get_weather", content="21 C")])
+    assert answer.response_metadata["finish_reason"] in ("stop", "length", "function_call")
