@@ -10,10 +10,10 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import torch
+if TYPE_CHECKING:  # imported where tensors are read: CLI commands start fast
+    import torch
 
 MODEL_TYPE_TO_ARCHITECTURE = {
     "llama": "LlamaForCausalLM",
@@ -108,6 +108,8 @@ def open_reader(path: Path):
 def iter_tensors(reader, config: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, fp32 tensor) for every tensor in the file (open_reader)."""
     import gguf
+    import numpy as np
+    import torch
 
     permute_qk = config["model_type"] == "llama"
     num_heads = config["num_attention_heads"]

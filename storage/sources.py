@@ -15,11 +15,12 @@ import zipfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from storage import gguf as gguf_io
+
+if TYPE_CHECKING:  # PyTorch is imported where a pull needs it: CLI commands start fast
+    import torch
 
 TOKENIZER_FILES = (
     "tokenizer.json",
