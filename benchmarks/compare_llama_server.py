@@ -13,7 +13,9 @@ measured bandwidth allows. With --rounds N the servers take turns N times (fresh
 round), since a shared host drifts by 20-30% within minutes: each figure is then the median
 of its rounds, and each ratio the median of the ratios within a round, with their range.
 Writes benchmarks/results/compare-SHAPE-KIND.{json,md,png} and the table between the
-compare-SHAPE-KIND markers (KIND: amx, zen4, zen5, avx512 or avx2) of benchmarks/RESULTS.md.
+compare-SHAPE-KIND markers (KIND: amx, zen4, zen5, avx512 or avx2) of benchmarks/RESULTS.md;
+a run with another load than the tables' (--prompt-tokens, --output-tokens, --per-client,
+--temperature, --top-p) writes compare-SHAPE-KIND-custom.* and leaves RESULTS.md alone.
 """
 
 from __future__ import annotations
@@ -261,7 +263,7 @@ def medians(rounds: list[list[dict]]) -> list[dict]:
     return merged
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="135m", choices=sorted(random_gguf.SHAPES))
     ap.add_argument("--llama-server", default=None, help="the llama-server binary (optional)")
@@ -278,10 +280,17 @@ def main() -> None:
     ap.add_argument("--from-json", action="store_true",
                     help="no runs: rewrite the table, plot and RESULTS.md from "
                          "results/compare-SHAPE.json")
+    return ap
+
+
+def main() -> None:
+    ap = parser()
     args = ap.parse_args()
     RESULTS.mkdir(exist_ok=True)
+    custom = custom_load(ap, args)
+
     def out(ext: str) -> Path:  # not with_suffix: the shape "1.7b" has a dot of its own
-        return RESULTS / f"compare-{args.shape}-{machine_kind()}{ext}"
+        return RESULTS / f"compare-{args.shape}-{machine_kind()}{'-custom' if custom else ''}{ext}"
 
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
@@ -297,8 +306,22 @@ def main() -> None:
     md = table(run["reports"], run.get("rounds"))
     out(".md").write_text(md)
     plot(run["reports"], out(".png"))
-    write_results(md, run, args.shape)
+    if custom:
+        print(f"{' '.join(custom)}: not the tables' load, so RESULTS.md is left as it is "
+              f"({out('.md')})")
+    else:
+        write_results(md, run, args.shape)
     print(md)
+
+
+LOAD = ("per_client", "prompt_tokens", "output_tokens", "temperature", "top_p")
+
+
+def custom_load(ap: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """The load flags given other values than the tables of RESULTS.md were measured with
+    (such a run writes results/compare-SHAPE-KIND-custom.* and no table)."""
+    return [f"--{name.replace('_', '-')} {getattr(args, name)}" for name in LOAD
+            if getattr(args, name) != ap.get_default(name)]
 
 
 def run_all(args: argparse.Namespace) -> list[dict]:

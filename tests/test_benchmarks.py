@@ -105,6 +105,19 @@ def test_a_table_replaces_its_own_kind_and_adds_a_new_kind_after_another(tmp_pat
     assert "| 360m |" not in readme.read_text()  # no table of that shape to add it after
 
 
+def test_only_the_tables_load_writes_a_table(monkeypatch):
+    # Other levels, shapes, bits and serve flags are the tables' own runs; another load (a long
+    # reply, sampling) is written beside them, not over them.
+    compare = load_compare(monkeypatch)
+    ap = compare.parser()
+    assert compare.custom_load(ap, ap.parse_args(
+        ["--shape", "360m", "--levels", "1,32", "--rounds", "3", "--serve-args", "--dtype fp32"]
+    )) == []
+    assert compare.custom_load(ap, ap.parse_args(
+        ["--output-tokens", "1024", "--temperature", "0.7", "--top-p", "1"])) == [
+        "--output-tokens 1024", "--temperature 0.7"]
+
+
 def test_rounds_give_medians_and_each_ratio_within_its_own_round(monkeypatch):
     compare = load_compare(monkeypatch)
 
