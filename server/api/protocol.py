@@ -272,7 +272,8 @@ def _prediction(v: Any, kw: dict[str, Any], tool_use: ToolUse | None) -> str | N
     if kw["n"] > 1:
         raise invalid("n", "Predicted outputs do not support 'n' greater than 1.")
     if tool_use is not None and tool_use.is_active:
-        raise invalid("tools", "Predicted outputs do not support tools (function calling).")
+        raise invalid("functions" if tool_use.legacy else "tools",
+                      "Predicted outputs do not support tools (function calling).")
     for name, off in (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
                       ("repetition_penalty", 1.0)):
         if kw[name] != off:

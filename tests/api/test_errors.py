@@ -93,6 +93,8 @@ def chat(**fields):
     (chat(functions=[{"name": "f"}, {"name": "f"}]), "functions[1].name"),
     (chat(functions=[{"name": "f", "parameters": {"type": "objekt"}}]), "functions"),
     (chat(functions={"name": "f"}), "functions"),
+    (chat(functions=[{"name": "f"}], prediction={"type": "content", "content": "x"}),
+     "functions"),
     (chat(messages=[{"role": "function", "content": "21 C"}]), "messages[0].name"),
     (chat(messages=[{"role": "assistant", "function_call": {"name": "f"}}]),
      "messages[0].function_call"),
