@@ -38,7 +38,7 @@ def parse_messages_request(body: dict[str, Any], vocab_size: int, count_only: bo
     messages = _system(f.raw("system")) + _turns(f.raw("messages"))
     tool_use = _tools(f.raw("tools"), f.raw("tool_choice"))
     output_schema = _output_config(f.raw("output_config"))
-    continue_final = _prefill(messages, tool_use, output_schema)
+    continue_final = _prefill(messages)
     thinking = f.raw("thinking")
     if thinking is not None and not (isinstance(thinking, dict)
                                      and thinking.get("type") == "disabled"):
@@ -71,11 +71,11 @@ def parse_messages_request(body: dict[str, Any], vocab_size: int, count_only: bo
                        continue_final=continue_final)
 
 
-def _prefill(messages: list[dict[str, Any]], tool_use: ToolUse | None,
-             output_schema: dict[str, Any] | None) -> bool:
+def _prefill(messages: list[dict[str, Any]]) -> bool:
     """A final assistant message is the start of the reply (Anthropic's prefill): True when the
-    reply continues its text. An empty one is dropped (a plain reply); trailing whitespace is
-    refused as Anthropic refuses it."""
+    reply continues its text (and a grammar from tools or output_config goes on from it). An
+    empty one is dropped (a plain reply); trailing whitespace is refused as Anthropic refuses
+    it."""
     last = messages[-1]
     if last["role"] != "assistant":
         return False
@@ -87,9 +87,6 @@ def _prefill(messages: list[dict[str, Any]], tool_use: ToolUse | None,
     if last["content"] != last["content"].rstrip():
         raise invalid("messages", "messages: final assistant content cannot end with trailing "
                       "whitespace")
-    if (tool_use is not None and tool_use.is_active) or output_schema is not None:
-        raise unsupported("messages", "a final assistant message (prefill) with tools or "
-                          "output_config")
     return True
 
 

@@ -238,7 +238,7 @@ def parse_chat(body: dict[str, Any], vocab_size: int) -> ChatRequest:
     f.refuse("store", (None, False), "stored completions")
     f.refuse("moderation")
     f.raw("metadata")  # only meaningful with store
-    continue_final = _continue_final(f, messages, tool_use, output)
+    continue_final = _continue_final(f, messages)
     f.check_unknown()
     params = SamplingParams(logprobs=logprobs, top_logprobs=top or 0, **kw)
     return ChatRequest(params=params, max_tokens=max_tokens, messages=messages,
@@ -281,10 +281,10 @@ def _prediction(v: Any, kw: dict[str, Any], tool_use: ToolUse | None) -> str | N
     return content
 
 
-def _continue_final(f: Fields, messages: list[dict[str, Any]], tool_use: ToolUse | None,
-                    output: dict[str, Any] | None) -> bool:
+def _continue_final(f: Fields, messages: list[dict[str, Any]]) -> bool:
     """vLLM's `continue_final_message` (with `add_generation_prompt` false): the reply
-    continues the final message's text, as Anthropic's prefill does."""
+    continues the final message's text, as Anthropic's prefill does (and so does a grammar
+    from tools or a response_format)."""
     cont = f.bool("continue_final_message")
     generation_prompt = f.bool("add_generation_prompt", True)
     if cont and generation_prompt and f.raw("add_generation_prompt") is not None:
@@ -297,8 +297,6 @@ def _continue_final(f: Fields, messages: list[dict[str, Any]], tool_use: ToolUse
     if not isinstance(messages[-1].get("content"), str) or not messages[-1]["content"].strip():
         raise invalid("continue_final_message", "`continue_final_message` needs a final message "
                       "with text to continue.")
-    if (tool_use is not None and tool_use.is_active) or output is not None:
-        raise unsupported("continue_final_message", "with tools or a response_format")
     return True
 
 

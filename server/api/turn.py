@@ -13,15 +13,15 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from server.api.errors import invalid
+from server.api.errors import invalid, unsupported
 from server.api.protocol import ChatRequest
 from server.api.serving import new_id, off_loop, stream_engine, with_max_tokens
 from server.api.state import ServerState
 from server.api.structured import compile_grammar, schema_grammar
 from server.api.tool_calls import CallDelta, ToolCallParser
-from server.api.tools import tool_grammar, tool_messages
+from server.api.tools import CALL_OPEN, tool_grammar, tool_messages
 from server.engine.async_engine import CompletionChunk
-from server.engine.grammar import lark_grammar
+from server.engine.grammar import Grammar, GrammarError, lark_grammar
 from server.models.tokenizer import chat_prompt_ids
 
 
@@ -60,13 +60,35 @@ async def start_turn(state: ServerState, req: ChatRequest, salt: str, priority: 
     if req.prediction:  # as many tokens as a reply could follow (speculation.py)
         ids = await off_loop(state.tokenizer.encode, req.prediction, False)  # no BOS
         params = replace(params, prediction=tuple(ids[:state.max_request_tokens]))
+    calls_tools = req.tool_use is not None and req.tool_use.is_active
+    prefill = req.messages[-1]["content"] if req.continue_final else ""
+    if calls_tools and _opens_a_call(prefill):
+        raise unsupported(param, "a final assistant message (prefill) with tool-call markup")
     grammar, where = _grammar_text(req, schema_param)
     if grammar is not None:
-        params = replace(params, grammar=await compile_grammar(state, grammar, where))
+        compiled = await compile_grammar(state, grammar, where)
+        if prefill:  # the reply goes on from it: so does the grammar
+            compiled = await off_loop(_after_prefill, state.tokenizer, compiled, prefill, param,
+                                      where)
+        params = replace(params, grammar=compiled)
     rid = request_id or new_id("chatcmpl")
     chunks = stream_engine(state, prompt_ids, params, rid, salt, priority)
-    calls_tools = req.tool_use is not None and req.tool_use.is_active
     return Turn(rid, len(prompt_ids), chunks, calls_tools)
+
+
+def _opens_a_call(text: str) -> bool:
+    """The text holds a call's opening tag, or ends with the start of one: a prefill that does
+    is refused, so that the reply's own text parses into its calls alone."""
+    return CALL_OPEN in text or any(text.endswith(CALL_OPEN[:k]) for k in range(1, len(CALL_OPEN)))
+
+
+def _after_prefill(tokenizer: Any, grammar: Grammar, prefill: str, param: str,
+                   where: str) -> Grammar:
+    try:
+        return grammar.after(tokenizer.encode(prefill, add_special_tokens=False))
+    except GrammarError:
+        raise invalid(param, f"The final assistant message (prefill) cannot start a reply "
+                      f"that '{where}' allows.") from None
 
 
 async def count_prompt_tokens(state: ServerState, req: ChatRequest, param: str) -> int:

@@ -114,6 +114,16 @@ class Grammar:
     def start(self) -> GrammarState:
         return GrammarState(self._matcher.deep_copy())
 
+    def after(self, token_ids: list[int]) -> Grammar:
+        """This grammar with `token_ids` already written (a prefill the reply continues): its
+        sequences start past them. GrammarError if they do not fit it."""
+        matcher = self._matcher.deep_copy()
+        for token_id in token_ids:
+            matcher.consume_token(token_id)
+            if matcher.is_error():
+                raise GrammarError("the text does not fit the grammar")
+        return Grammar(matcher)
+
 
 class GrammarState:
     """One sequence's place in its grammar. Its matcher is touched by one thread at a time:

@@ -110,10 +110,50 @@ def test_a_final_assistant_message_is_the_start_of_the_reply(anthropic_client):
             ask, {"role": "assistant", "content": "1, 2, 3, "}])
     assert e.value.body["error"]["message"] == ("messages: final assistant content cannot end "
                                                 "with trailing whitespace")
-    with pytest.raises(anthropic.BadRequestError) as e:
-        anthropic_client.messages.create(model=MODEL, max_tokens=3, messages=[ask, prefill],
-                                         tools=[WEATHER], tool_choice={"type": "any"})
-    assert "prefill" in e.value.body["error"]["message"]
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer", "minimum": 0,
+                                                   "maximum": 120}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_prefill_starts_the_answer_that_output_config_and_tools_constrain(anthropic_client,
+                                                                            stream):
+    """The grammar goes on from the prefill: prefill and reply together follow the schema;
+    a prefill the schema or tool_choice cannot start is a 400 naming it."""
+    import anthropic
+
+    ask = {"role": "user", "content": "Describe a person."}
+    prefill = '{"name": "Al'
+    kw = dict(model=MODEL, max_tokens=60, messages=[ask, {"role": "assistant",
+                                                           "content": prefill}],
+              extra_body={"output_config": {"format": {"type": "json_schema",
+                                                       "schema": PERSON}}, **GREEDY})
+    if stream:
+        with anthropic_client.messages.stream(**kw) as s:
+            text, reason = s.get_final_text(), s.get_final_message().stop_reason
+    else:
+        m = anthropic_client.messages.create(**kw)
+        text, reason = m.content[0].text, m.stop_reason
+    assert reason == "end_turn" and not text.startswith(prefill)
+    jsonschema.validate(json.loads(prefill + text), PERSON)
+    for messages, extra in (([ask, {"role": "assistant", "content": "Hello"}], kw["extra_body"]),
+                            ([ask, {"role": "assistant", "content": "Sure"}],
+                             {"tools": [WEATHER], "tool_choice": {"type": "any"}})):
+        with pytest.raises(anthropic.BadRequestError) as e:
+            anthropic_client.messages.create(model=MODEL, max_tokens=3, messages=messages,
+                                             extra_body=extra)
+        assert "prefill" in e.value.body["error"]["message"]
+    # With tools it may call ("auto"), the reply goes on from the text; markup is refused.
+    m = anthropic_client.messages.create(model=MODEL, max_tokens=8, tools=[WEATHER],
+                                         messages=[ask, {"role": "assistant",
+                                                         "content": "Let me see."}])
+    assert m.content and m.usage.output_tokens > 0
+    with pytest.raises(anthropic.BadRequestError, match="tool-call markup"):
+        anthropic_client.messages.create(model=MODEL, max_tokens=8, tools=[WEATHER], messages=[
+            ask, {"role": "assistant", "content": "Let me see. <tool"}])
 
 
 def test_a_plain_text_document_is_the_user_s_text_in_document_tags(anthropic_client):

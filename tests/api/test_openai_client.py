@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import openai
 import pytest
@@ -112,6 +113,16 @@ def test_vllm_s_continue_final_message_continues_the_last_text(client):
         prompt_tokens([ask, prefill], continue_final_message=True, add_generation_prompt=True)
     with pytest.raises(openai.BadRequestError, match="needs a final message with text"):
         prompt_tokens([ask, {"role": "assistant", "content": ""}], continue_final_message=True)
+    # With a response_format the schema's grammar goes on from the final message's text.
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+                                                     "maximum": 99}},
+              "required": ["n"], "additionalProperties": False}
+    r = client.chat.completions.create(
+        model=MODEL, messages=[ask, {"role": "assistant", "content": '{"n": '}], max_tokens=20,
+        temperature=0, response_format={"type": "json_schema", "json_schema": {
+            "name": "n", "schema": schema}}, extra_body={"continue_final_message": True})
+    assert r.choices[0].finish_reason == "stop"
+    assert 0 <= json.loads('{"n": ' + r.choices[0].message.content)["n"] <= 99
 
 
 def test_stop_string_ends_the_text_and_is_never_streamed(client):
