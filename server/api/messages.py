@@ -39,7 +39,7 @@ def parse_messages(v: Any) -> list[dict[str, Any]]:
             calls = [{"id": function_call_id, "type": "function",
                       "function": _function(m["function_call"], f"{where}.function_call")}]
         content = _content(m.get("content"), f"{where}.content", role,
-                           bool(calls) or role == "function")
+                           may_be_null=bool(calls) or role == "function")
         refusal = m.get("refusal")
         if refusal is not None and not isinstance(refusal, str):
             raise invalid(f"{where}.refusal", f"Invalid type for '{where}.refusal': expected "
@@ -107,10 +107,10 @@ def _function(fn: Any, where: str) -> dict[str, str]:
     return {"name": fn["name"], "arguments": fn["arguments"]}
 
 
-def _content(v: Any, where: str, role: str, has_calls: bool = False) -> str:
+def _content(v: Any, where: str, role: str, may_be_null: bool = False) -> str:
     if isinstance(v, str):
         return v
-    if v is None and (role == "assistant" or has_calls):
+    if v is None and (role == "assistant" or may_be_null):
         return ""
     if not isinstance(v, list):
         raise invalid(where, f"Invalid type for '{where}': expected a string or an array of "

@@ -97,7 +97,7 @@ class ToolCallParser:
             self._text = self._text[i + len(CALL_OPEN):]
             self._in_tag, self._body, self._streamed, self._head_done = True, "", False, False
             return True
-        keep = _held_back(self._text)  # a tail that may be the start of the opening tag
+        keep = open_tag_start(self._text)  # a tail that may be the start of the opening tag
         ready = self._text[:len(self._text) - keep]
         stripped = ready.rstrip()  # whitespace waits: it may only separate calls
         if stripped:
@@ -222,7 +222,8 @@ def _json_text(value: Any) -> str:
     return text
 
 
-def _held_back(text: str) -> int:
+def open_tag_start(text: str) -> int:
+    """The length of the tail of `text` that may be the start of an opening tag (0: none)."""
     for k in range(min(len(CALL_OPEN) - 1, len(text)), 0, -1):
         if text.endswith(CALL_OPEN[:k]):
             return k

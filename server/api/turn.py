@@ -18,7 +18,7 @@ from server.api.protocol import ChatRequest
 from server.api.serving import new_id, off_loop, stream_engine, with_max_tokens
 from server.api.state import ServerState
 from server.api.structured import compile_grammar, schema_grammar
-from server.api.tool_calls import CallDelta, ToolCallParser
+from server.api.tool_calls import CallDelta, ToolCallParser, open_tag_start
 from server.api.tools import CALL_OPEN, tool_grammar, tool_messages
 from server.engine.async_engine import CompletionChunk
 from server.engine.grammar import Grammar, GrammarError, lark_grammar
@@ -79,7 +79,7 @@ async def start_turn(state: ServerState, req: ChatRequest, salt: str, priority: 
 def _opens_a_call(text: str) -> bool:
     """The text holds a call's opening tag, or ends with the start of one: a prefill that does
     is refused, so that the reply's own text parses into its calls alone."""
-    return CALL_OPEN in text or any(text.endswith(CALL_OPEN[:k]) for k in range(1, len(CALL_OPEN)))
+    return CALL_OPEN in text or open_tag_start(text) > 0
 
 
 def _after_prefill(tokenizer: Any, grammar: Grammar, prefill: str, param: str,
