@@ -21,6 +21,7 @@ message's `function_call` (chat.py).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,15 +67,9 @@ def parse_tools(tools: Any, choice: Any, parallel: Any) -> ToolUse | None:
     if parallel is not None and not isinstance(parallel, bool):
         raise invalid("parallel_tool_calls", "Invalid type for 'parallel_tool_calls': expected "
                       "a boolean.")
-    if tools is None or tools == []:
-        if choice not in (None, "none"):
-            raise invalid("tool_choice", "Invalid value for 'tool_choice': 'tool_choice' is "
-                          "only allowed when 'tools' are specified.")
+    parsed = _listed(tools, "tools", choice, "tool_choice", _tool, "tools[{}].function.name")
+    if parsed is None:
         return None
-    if not isinstance(tools, list):
-        raise invalid("tools", "Invalid type for 'tools': expected an array.")
-    parsed = _unique(tuple(_tool(t, f"tools[{i}]") for i, t in enumerate(tools)),
-                     "tools[{}].function.name")
     kind, name = _choice(choice, [t.name for t in parsed])
     return ToolUse(parsed, kind, name, parallel is not False)
 
@@ -82,15 +77,10 @@ def parse_tools(tools: Any, choice: Any, parallel: Any) -> ToolUse | None:
 def parse_functions(functions: Any, call: Any) -> ToolUse | None:
     """The deprecated `functions` ([{name, description, parameters}]) and `function_call`
     ("none", "auto" or {"name": ...}): tools of which the model calls one at most."""
-    if functions is None or functions == []:
-        if call not in (None, "none"):
-            raise invalid("function_call", "Invalid value for 'function_call': 'function_call' "
-                          "is only allowed when 'functions' are specified.")
-        return None
-    if not isinstance(functions, list):
-        raise invalid("functions", "Invalid type for 'functions': expected an array.")
-    parsed = _unique(tuple(_function(f, f"functions[{i}]") for i, f in enumerate(functions)),
+    parsed = _listed(functions, "functions", call, "function_call", _function,
                      "functions[{}].name")
+    if parsed is None:
+        return None
     if call is None or call in ("none", "auto"):
         return ToolUse(parsed, call or "auto", None, parallel=False, legacy=True)
     name = call.get("name") if isinstance(call, dict) else None
@@ -103,12 +93,23 @@ def parse_functions(functions: Any, call: Any) -> ToolUse | None:
     return ToolUse(parsed, "named", name, parallel=False, legacy=True)
 
 
-def _unique(tools: tuple[Tool, ...], where: str) -> tuple[Tool, ...]:
-    """`tools`, or 400 at the first name given twice (`where`: its field, {} its index)."""
+def _listed(v: Any, field: str, choice: Any, choice_field: str, one: Callable[[Any, str], Tool],
+            name_at: str) -> tuple[Tool, ...] | None:
+    """The tools array `field`, each entry parsed by `one`, or None where it is absent or empty
+    (then `choice_field` may only be absent or "none"); 400 at a name given twice (`name_at`:
+    its field, {} the index)."""
+    if v is None or v == []:
+        if choice not in (None, "none"):
+            raise invalid(choice_field, f"Invalid value for '{choice_field}': '{choice_field}' "
+                          f"is only allowed when '{field}' are specified.")
+        return None
+    if not isinstance(v, list):
+        raise invalid(field, f"Invalid type for '{field}': expected an array.")
+    tools = tuple(one(t, f"{field}[{i}]") for i, t in enumerate(v))
     names = [t.name for t in tools]
     for i, name in enumerate(names):
         if name in names[:i]:
-            raise invalid(where.format(i), f"Duplicate tool name: {name!r}.")
+            raise invalid(name_at.format(i), f"Duplicate tool name: {name!r}.")
     return tools
 
 
