@@ -72,6 +72,7 @@ class _Run:
         self.n = req.params.n
         self.num_choices = len(prompt_ids) * self.n
         self.token_text = TokenText(state.tokenizer)
+        self.prompt_ids = prompt_ids
         self.offsets = [0] * self.num_choices  # characters emitted per choice (text_offset)
         self.created = int(time.time())
 
@@ -81,19 +82,24 @@ class _Run:
         if first and self.echoes is not None:
             text = self.echoes[prompt] + text
         self.count.add(chunk, index, prompt)
-        return {"index": index, "text": text, "logprobs": self._logprobs(index, chunk),
+        echoed = None
+        if first and chunk.prompt_logprobs is not None:  # the prompt's own, first token none
+            echoed = [(self.prompt_ids[prompt][0], None, None), *chunk.prompt_logprobs]
+        return {"index": index, "text": text, "logprobs": self._logprobs(index, chunk, echoed),
                 "finish_reason": chunk.finish_reason}
 
-    def _logprobs(self, index: int, chunk: CompletionChunk) -> dict[str, Any] | None:
+    def _logprobs(self, index: int, chunk: CompletionChunk, echoed: list | None
+                  ) -> dict[str, Any] | None:
         if self.req.logprobs is None:
             return None
         out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
                                 "text_offset": []}
-        for token_id, lp, tops in chunk.logprobs or []:
+        for token_id, lp, tops in (echoed or []) + (chunk.logprobs or []):
             text = self.token_text(token_id)[0]
             out["tokens"].append(text)
             out["token_logprobs"].append(lp)
-            out["top_logprobs"].append({self.token_text(t)[0]: v for t, v in tops})
+            out["top_logprobs"].append(None if tops is None else
+                                       {self.token_text(t)[0]: v for t, v in tops})
             out["text_offset"].append(self.offsets[index])
             self.offsets[index] += len(text)
         return out

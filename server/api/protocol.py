@@ -307,13 +307,14 @@ def parse_completion(body: dict[str, Any], vocab_size: int) -> CompletionRequest
     logprobs = f.int("logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
     max_tokens = f.int("max_tokens", 16, lo=1)
     echo = f.bool("echo")
-    if echo and logprobs is not None:
-        raise unsupported("echo", "together with logprobs (prompt logprobs)")
     suffix = f.raw("suffix")
     if suffix not in (None, ""):
         raise unsupported("suffix", "insertion")
     f.check_unknown()
-    params = SamplingParams(logprobs=logprobs is not None, top_logprobs=logprobs or 0, **kw)
+    # echo with logprobs: the prompt's tokens come back with theirs (lm-evaluation-harness
+    # scores answers so)
+    params = SamplingParams(logprobs=logprobs is not None, top_logprobs=logprobs or 0,
+                            prompt_logprobs=logprobs if echo else None, **kw)
     return CompletionRequest(params=params, max_tokens=max_tokens, prompts=prompts, echo=echo,
                              logprobs=logprobs, **other)
 

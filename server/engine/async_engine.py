@@ -36,6 +36,9 @@ class CompletionChunk:
     finish_reason: str | None
     stop_reason: str | None = None  # the stop string that ended it, if any
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
+    # The first chunk of a choice whose request asked for prompt logprobs: one entry for each
+    # prompt token after the first (the first has none), as `logprobs`
+    prompt_logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
@@ -250,6 +253,7 @@ class AsyncEngine:
                 continue
             index = req.seqs.index(seq)
             detok = req.detokenizers[index]
+            first = seq.num_output_tokens == num_kept  # the choice's first chunk
             tokens = seq.token_ids[-num_kept:]
             text = ""
             for i, token in enumerate(tokens):
@@ -269,9 +273,14 @@ class AsyncEngine:
             if seq.params.logprobs:  # one entry per sampled token, this step's are the last
                 logprobs = [(token, lp, tops) for token, (lp, tops) in zip(
                     tokens, seq.logprobs[-len(tokens):], strict=True)]
+            prompt_logprobs = None
+            if first and seq.params.prompt_logprobs is not None:
+                prompt_logprobs = [(token, lp, tops) for token, (lp, tops) in zip(
+                    seq.token_ids[1:seq.num_prompt_tokens], seq.prompt_logprobs, strict=True)]
             chunk = CompletionChunk(
                 index, text, tokens, seq.finish_reason, detok.stopped_by, logprobs,
-                seq.num_prompt_tokens, seq.num_cached_tokens, seq.num_output_tokens,
+                prompt_logprobs, seq.num_prompt_tokens, seq.num_cached_tokens,
+                seq.num_output_tokens,
                 num_accepted_prediction=seq.num_accepted_prediction,
                 num_rejected_prediction=seq.num_rejected_prediction)
             batches.setdefault(req.loop, []).append((req.queue, chunk))

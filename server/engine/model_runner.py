@@ -10,6 +10,7 @@ from torch.nn import functional as F
 
 from server.engine.sampler import Sampler, chosen_first
 from server.engine.scheduler import SchedulerOutput
+from server.engine.sequence import Sequence
 from server.models.attention import build_metadata
 from server.models.batch import ForwardBatch
 from server.models.simple import allocate_kv, release_slots
@@ -73,6 +74,7 @@ class ModelRunner:
         prompt_rows: list[int] = []  # rows holding prompt tokens (quantized layers' path)
         prompts_continue = False  # a prompt has tokens left for later steps
         prompt_lens: list[int] = []  # per sequence: how many of its new tokens are prompt
+        scored: list[tuple[int, Sequence, int]] = []  # (row, sequence, the token it predicts)
         for seq, n in zip(seqs, num_new, strict=True):
             start = seq.num_computed_tokens
             first = len(input_ids)
@@ -82,6 +84,13 @@ class ModelRunner:
             prompt_lens.append(num_prompt)
             prompt_rows += range(first, first + num_prompt)
             prompts_continue |= start + n < seq.num_prompt_tokens
+            if seq.params.prompt_logprobs is not None:
+                # position p's row predicts prompt token p + 1; those known already (a prompt
+                # recomputed after preemption) are not asked again
+                done = len(seq.prompt_logprobs) + 1
+                scored += [(first + p - start, seq, seq.token_ids[p + 1])
+                           for p in range(start, start + num_prompt)
+                           if done <= p + 1 < seq.num_prompt_tokens]
         batch = ForwardBatch(
             input_ids=torch.tensor(input_ids, device=self.device),
             attention=build_metadata(num_new, seq_lens, [s.block_table for s in seqs],
@@ -92,16 +101,18 @@ class ModelRunner:
         # with prompt rows, most rows are read by nothing after it: the last layer computes
         # only the sampled ones past attention (unless a sequence pools every row).
         # A sequence with drafts (speculation.py) samples at its last token and at each draft.
+        # Rows scored for prompt logprobs follow the sampled ones.
         ends = itertools.accumulate(num_new)
         sampled = [row for end, rows in zip(ends, out.num_sampled_rows, strict=True)
                    for row in range(end - rows, end)]
-        sampled_rows = torch.tensor(sampled, dtype=torch.long, device=self.device)
+        wanted = sampled + [row for row, _, _ in scored]
+        wanted_rows = torch.tensor(wanted, dtype=torch.long, device=self.device)
         pooling = any(s.pooling for s in seqs)
         if prompt_rows and not pooling:
             prompt = set(prompt_rows)
-            batch.outputs = sampled_rows
-            batch.output_rows = split_rows([i for i, r in enumerate(sampled) if r in prompt],
-                                           len(sampled), self.device, self.unpacked,
+            batch.outputs = wanted_rows
+            batch.output_rows = split_rows([i for i, r in enumerate(wanted) if r in prompt],
+                                           len(wanted), self.device, self.unpacked,
                                            prompts_continue)
         try:
             hidden = self.model(batch, self.kv_caches)
@@ -110,11 +121,15 @@ class ModelRunner:
         embeddings = self._pool(out, hidden) if pooling else []
         sampling = [s for s, rows in zip(seqs, out.num_sampled_rows, strict=True)
                     for _ in range(rows)]  # a sequence per sampled row
-        if not sampling:
+        if not wanted:
             return StepResult([], None, None, embeddings)
         logits = self.model.compute_logits(hidden if batch.outputs is not None
-                                           else hidden[sampled_rows])
-        result = self.sampler(logits, sampling)
+                                           else hidden[wanted_rows])
+        if scored:
+            _score_prompts(logits[len(sampled):], scored)
+        if not sampling:
+            return StepResult([], None, None, embeddings)
+        result = self.sampler(logits[:len(sampled)], sampling)
         # The step's one host sync: everything needed on the host comes over together.
         token_ids = result.token_ids.tolist()
         self.sampler.advance(sampling, token_ids)
@@ -153,3 +168,19 @@ class ModelRunner:
                 vector = F.normalize(vector, dim=0)
             vectors.append(vector.tolist())
         return vectors
+
+
+def _score_prompts(logits: torch.Tensor, scored: list[tuple[int, Sequence, int]]) -> None:
+    """Each scored row's logprob of the prompt token after it and its sequence's number of
+    alternatives, appended to the sequence's prompt_logprobs in prompt order (the sampler's
+    log_softmax: the model's own numbers, as for sampled tokens)."""
+    logprobs = torch.log_softmax(logits, dim=-1)
+    targets = torch.tensor([t for _, _, t in scored], device=logits.device)
+    chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+    k = max(seq.params.prompt_logprobs for _, seq, _ in scored)
+    top_lp, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
+    ids, lps = (top_ids.tolist(), top_lp.tolist()) if k else (None, None)
+    for i, (_, seq, target) in enumerate(scored):
+        want = seq.params.prompt_logprobs
+        tops = chosen_first(ids[i], lps[i], target)[:want] if want else []
+        seq.prompt_logprobs.append((chosen[i], tops))

@@ -200,8 +200,10 @@ class Scheduler:
             if seq.leader is not None and not _prompt_cached(seq.leader):
                 j += 1  # n > 1: siblings wait to share the leader's cached prompt blocks
                 continue
-            # Pooling reads every prompt token's hidden state: no prefix hits for embeddings.
-            hit = bm.match_prefix(seq) if seq.pooling is None else PrefixHit()
+            # Pooling reads every prompt token's hidden state, prompt logprobs every prompt
+            # token's logits: no prefix hits for either.
+            every_row = seq.pooling is not None or seq.params.prompt_logprobs is not None
+            hit = PrefixHit() if every_row else bm.match_prefix(seq)
             n = self._paced(seq, min(seq.num_tokens - hit.tokens, budget), prefill_left)
             if n == 0:
                 j += 1  # a long prompt past the cap: a shorter one behind it may still go

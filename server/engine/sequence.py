@@ -59,6 +59,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    # Each prompt token's logprob after the ones before it, with this many alternatives
+    # (completions' echo with logprobs); None: not asked. Such a prompt takes no prefix hits.
+    prompt_logprobs: int | None = None
     n: int = 1
     grammar: Grammar | None = None  # constrained decoding: every choice follows it
     # Predicted outputs: the reply's expected tokens, checked several a step (speculation.py)
@@ -107,6 +110,8 @@ class Sequence:
     eos_token_ids: tuple[int, ...] = ()
     leader: Sequence | None = None  # n > 1: wait until the leader's prompt is cached
     logprobs: list = field(default_factory=list)  # per output token, when asked
+    # (logprob, tops) of prompt tokens 1.. in order, when params.prompt_logprobs asks
+    prompt_logprobs: list = field(default_factory=list)
     # Its place in params.grammar: advanced once per sampled token, so it survives preemption.
     grammar: GrammarState | None = None
     pooling: Pooling | None = None  # an embedding request: prefill only, then pooled

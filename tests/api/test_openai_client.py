@@ -7,6 +7,7 @@ import json
 
 import openai
 import pytest
+import torch
 
 from tests.api.conftest import API_KEY, MODEL
 
@@ -296,3 +297,59 @@ def test_a_prediction_beside_a_response_format_is_taken_and_changes_nothing(clie
     assert got.choices[0].message.content == plain
     details = got.usage.completion_tokens_details
     assert (details.accepted_prediction_tokens, details.rejected_prediction_tokens) == (0, 0)
+
+
+def test_echo_with_logprobs_gives_each_prompt_token_its_own(client):
+    """Completions' echo with logprobs (how lm-evaluation-harness scores answers): every
+    prompt token after the first gets its logprob after the ones before it, the model's own
+    numbers: the same as sampling reports for a token in that place, as a reference forward
+    computes, and the same whatever the prefix cache holds or the reply streams."""
+    from tests.helpers import hf_model, make_tokenizer
+
+    tokenizer = make_tokenizer()
+    prompt = tokenizer.encode("count the sheep in the field", add_special_tokens=False)
+    greedy = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, logprobs=3,
+                                       temperature=0)
+    scored = [*prompt, prompt[0]]  # one token more: its place is the one greedy sampled at
+    kw = dict(model=MODEL, prompt=scored, max_tokens=1, logprobs=3, echo=True, temperature=0)
+    first = client.completions.create(**kw).choices[0]
+    lp = first.logprobs
+    assert first.text.startswith(tokenizer.decode(scored))
+    assert "".join(lp.tokens[:len(scored)]) == tokenizer.decode(scored)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert len(lp.token_logprobs) == len(scored) + 1 and lp.text_offset[0] == 0
+    # that place's distribution is the one sampling read there, bit for bit
+    assert lp.top_logprobs[len(prompt)] == greedy.choices[0].logprobs.top_logprobs[0]
+    # the reference: a transformers forward of the same weights (the server computes in its
+    # own dtype, so within bf16's rounding; a token scored at a wrong place is off by units)
+    with torch.no_grad():
+        logits = hf_model("llama", seed=3, max_position_embeddings=4096)(
+            torch.tensor([scored])).logits[0].float()
+    want = torch.log_softmax(logits, -1)[torch.arange(len(scored) - 1), scored[1:]]
+    assert torch.allclose(torch.tensor(lp.token_logprobs[1:len(scored)]), want, atol=0.1)
+    # the prompt is now in the prefix cache: scored again, and streamed, the same numbers
+    assert client.completions.create(**kw).choices[0].logprobs == lp
+    streamed = [c.choices[0].logprobs for c in client.completions.create(stream=True, **kw)]
+    assert streamed[0].token_logprobs[:len(scored)] == lp.token_logprobs[:len(scored)]
+
+
+def test_lm_evaluation_harness_loglikelihood_payload(client):
+    """lm-evaluation-harness's local-completions loglikelihood request: token-id prompts in a
+    batch, max_tokens 1, logprobs 1, echo; it reads token_logprobs[ctxlen:-1] and whether
+    each is the top one."""
+    from tests.helpers import make_tokenizer
+
+    tokenizer = make_tokenizer()
+    context = tokenizer.encode("Question: what colour is the sky? Answer:",
+                               add_special_tokens=False)
+    answers = [tokenizer.encode(a, add_special_tokens=False) for a in (" blue", " green")]
+    r = client.completions.create(model=MODEL, prompt=[context + a for a in answers],
+                                  max_tokens=1, logprobs=1, echo=True, temperature=0, seed=1234)
+    assert [c.index for c in r.choices] == [0, 1]
+    for choice, answer in zip(r.choices, answers, strict=True):
+        lp = choice.logprobs
+        scores = lp.token_logprobs[len(context):-1]
+        assert len(scores) == len(answer) and all(isinstance(s, float) and s <= 0
+                                                 for s in scores)
+        for s, top in zip(scores, lp.top_logprobs[len(context):-1], strict=True):
+            assert max(top.values()) >= s  # the greedy check reads the top entry
