@@ -439,3 +439,25 @@ def test_bf16_decode_across_the_fp32_attention_threshold_is_batch_invariant():
                       Sequence(prompt(LIMIT + 40, 22), SamplingParams(**params))])
     assert (batch[1].output_token_ids, batch[1].logprobs) == (alone.output_token_ids,
                                                               alone.logprobs)
+
+
+def test_prompt_logprobs_equal_transformers_through_chunks_and_preemption(models):
+    """A prompt's logprobs (completions' echo with logprobs): each token after the first, as a
+    transformers forward gives them, and the same, once each, when the prompt goes in chunks
+    among others and is preempted and computed again."""
+    hf, ours = models
+    p = prompt(40, 3)
+    with torch.no_grad():
+        want = torch.log_softmax(hf(torch.tensor([p])).logits[0].float(), -1)
+    want = want[torch.arange(len(p) - 1), torch.tensor(p[1:])]
+    alone = Sequence(p, greedy(4, prompt_logprobs=2))
+    run(ours, [alone])
+    assert len(alone.prompt_logprobs) == len(p) - 1
+    assert torch.allclose(torch.tensor([lp for lp, _ in alone.prompt_logprobs]), want, atol=1e-4)
+    assert all(len(tops) == 2 and tops[0][1] >= lp for lp, tops in alone.prompt_logprobs)
+    mine = Sequence(p, greedy(4, prompt_logprobs=2))
+    others = [Sequence(prompt(20, 10 + i), greedy(24)) for i in range(4)]
+    run(ours, others + [mine], num_blocks=10, max_num_batched_tokens=32)
+    assert mine.num_preemptions > 0
+    assert mine.prompt_logprobs == alone.prompt_logprobs
+    assert mine.output_token_ids == alone.output_token_ids
