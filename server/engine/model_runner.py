@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.nn import functional as F
 
-from server.engine.sampler import Sampler, chosen_first
+from server.engine.sampler import Sampler, chosen_first, token_logprobs
 from server.engine.scheduler import SchedulerOutput
 from server.engine.sequence import Sequence
 from server.models.attention import build_metadata
@@ -174,11 +174,10 @@ def _score_prompts(logits: torch.Tensor, scored: list[tuple[int, Sequence, int]]
     """Each scored row's logprob of the prompt token after it and its sequence's number of
     alternatives, appended to the sequence's prompt_logprobs in prompt order (the sampler's
     log_softmax: the model's own numbers, as for sampled tokens)."""
-    logprobs = torch.log_softmax(logits, dim=-1)
     targets = torch.tensor([t for _, _, t in scored], device=logits.device)
-    chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
     k = max(seq.params.prompt_logprobs for _, seq, _ in scored)
-    top_lp, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
+    chosen, top_ids, top_lp = token_logprobs(torch.log_softmax(logits, dim=-1), targets, k)
+    chosen = chosen.tolist()
     ids, lps = (top_ids.tolist(), top_lp.tolist()) if k else (None, None)
     for i, (_, seq, target) in enumerate(scored):
         want = seq.params.prompt_logprobs

@@ -81,9 +81,7 @@ class Sampler:
 
         if raw_logprobs is None:
             return SampleResult(token_ids, None, None, None)
-        chosen = raw_logprobs.gather(1, token_ids[:, None])[:, 0]
-        top_lp, top_ids = (raw_logprobs.topk(max_top, dim=-1) if max_top else (None, None))
-        return SampleResult(token_ids, chosen, top_ids, top_lp)
+        return SampleResult(token_ids, *token_logprobs(raw_logprobs, token_ids, max_top))
 
     def advance(self, seqs: list[Sequence], token_ids: list[int]) -> None:
         """The step's tokens are known: grammars consume them, and the next step's masks are
@@ -185,6 +183,15 @@ def _output_places(seqs: list[Sequence]) -> list[int]:
         places.append(places[-1] + 1 if seq is prev else seq.num_output_tokens)
         prev = seq
     return places
+
+
+def token_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int
+                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Each row's logprob of its token, and the ids and logprobs of its k most likely (None
+    when k is 0): what sampled tokens report, and prompt tokens (model_runner.py)."""
+    chosen = logprobs.gather(1, token_ids[:, None])[:, 0]
+    top_lp, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
+    return chosen, top_ids, top_lp
 
 
 def chosen_first(ids: list[int], logprobs: list[float], chosen: int) -> list[tuple[int, float]]:
