@@ -25,6 +25,7 @@ from server.api import (
     message_batches,
     metrics,
     responses,
+    tokenize,
 )
 from server.api.anthropic_protocol import rfc3339
 from server.api.auth import AuthMiddleware
@@ -220,6 +221,9 @@ def create_app(settings: ServerSettings, state: ServerState | None = None) -> St
         Route("/v1/batches/{batch_id}", batches.get_batch, methods=["GET"]),
         Route("/v1/batches/{batch_id}/cancel", batches.cancel_batch, methods=["POST"]),
         Route("/v1/usage", get_usage, methods=["GET"]),
+        Route("/tokenize", tokenize.tokenize, methods=["POST"]),
+        Route("/detokenize", tokenize.detokenize, methods=["POST"]),
+        Route("/tokenizer_info", tokenize.tokenizer_info, methods=["GET"]),
     ]
     app = Starlette(
         routes=routes,

@@ -18,6 +18,10 @@ def tenant_of(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:24]
 
 
+# Outside /v1, the paths that need a key too (the tokenizer's: tokenize.py)
+KEYED_PATHS = ("/metrics", "/tokenize", "/detokenize", "/tokenizer_info")
+
+
 class AuthMiddleware:
     def __init__(self, app: ASGIApp, api_keys: tuple[str, ...]) -> None:
         self.app = app
@@ -26,7 +30,7 @@ class AuthMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
         if scope["type"] == "http" and self.api_keys and (path.startswith("/v1")
-                                                          or path == "/metrics"):
+                                                          or path in KEYED_PATHS):
             headers = Headers(scope=scope)
             key = self._key(headers.get("authorization"), headers.get("x-api-key"))
             if key is None:

@@ -93,10 +93,15 @@ def _after_prefill(tokenizer: Any, grammar: Grammar, prefill: str, param: str,
 
 async def count_prompt_tokens(state: ServerState, req: ChatRequest, param: str) -> int:
     """The prompt tokens the request would take, without running it."""
+    return len(await prompt_token_ids(state, req, param))
+
+
+async def prompt_token_ids(state: ServerState, req: ChatRequest, param: str) -> list[int]:
+    """The prompt the request would take, through the chat template (tools included)."""
     template = getattr(state.tokenizer, "chat_template", None) or ""
     messages, tools = tool_messages(req.messages, req.tool_use, template)
-    return len(await off_loop(_prompt_ids, state.tokenizer, messages, tools, param,
-                              req.continue_final))
+    return await off_loop(_prompt_ids, state.tokenizer, messages, tools, param,
+                          req.continue_final)
 
 
 async def pieces(turn: Turn) -> AsyncIterator[Piece]:
