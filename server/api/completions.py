@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from starlette.requests import Request
@@ -42,7 +43,8 @@ async def completion_answer(state: ServerState, body: dict[str, Any], salt: str,
 async def _start(state: ServerState, req: CompletionRequest, salt: str, priority: int
                  ) -> Generation:
     prompt_ids = await off_loop(_tokenize, state.tokenizer, req.prompts)
-    params = [with_max_tokens(state, req.params, req.max_tokens, len(ids), "prompt")
+    # max_tokens 0 (with echo): one token is computed and not given (_Run)
+    params = [with_max_tokens(state, req.params, max(req.max_tokens, 1), len(ids), "prompt")
               for ids in prompt_ids]
     rid = new_id("cmpl")
     streams = [stream_engine(state, ids, p, f"{rid}-{i}", salt, priority)
@@ -78,6 +80,9 @@ class _Run:
 
     def _choice(self, prompt: int, chunk: CompletionChunk, first: bool) -> dict[str, Any]:
         index = prompt * self.n + chunk.index
+        if self.req.max_tokens == 0:  # the prompt only: the token computed is not given
+            chunk = replace(chunk, text="", token_ids=[], logprobs=None, num_output_tokens=0,
+                            finish_reason=chunk.finish_reason and "length")
         text = chunk.text
         if first and self.echoes is not None:
             text = self.echoes[prompt] + text

@@ -305,8 +305,11 @@ def parse_completion(body: dict[str, Any], vocab_size: int) -> CompletionRequest
     prompts = _prompts(f.raw("prompt"), vocab_size)
     kw, other = _common(f, vocab_size)
     logprobs = f.int("logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
-    max_tokens = f.int("max_tokens", 16, lo=1)
+    max_tokens = f.int("max_tokens", 16, lo=0)
     echo = f.bool("echo")
+    if max_tokens == 0 and not echo:
+        raise invalid("max_tokens", "'max_tokens' must be at least 1 (0 only with 'echo': the "
+                      "prompt back, scored with 'logprobs', nothing generated).")
     suffix = f.raw("suffix")
     if suffix not in (None, ""):
         raise unsupported("suffix", "insertion")

@@ -353,3 +353,18 @@ def test_lm_evaluation_harness_loglikelihood_payload(client):
                                                  for s in scores)
         for s, top in zip(scores, lp.top_logprobs[len(context):-1], strict=True):
             assert max(top.values()) >= s  # the greedy check reads the top entry
+
+
+def test_max_tokens_zero_with_echo_gives_the_prompt_scored_and_nothing_more(client):
+    """Scoring scripts of the davinci days (and vLLM) send max_tokens 0 with echo."""
+    kw = dict(model=MODEL, prompt="count the sheep", echo=True, logprobs=1, temperature=0)
+    scored, one = (client.completions.create(max_tokens=m, **kw) for m in (0, 1))
+    choice = scored.choices[0]
+    assert choice.text == "count the sheep" and choice.finish_reason == "length"
+    assert choice.logprobs.token_logprobs == one.choices[0].logprobs.token_logprobs[:-1]
+    assert (scored.usage.completion_tokens, scored.usage.prompt_tokens) == (
+        0, one.usage.prompt_tokens)
+    streamed = list(client.completions.create(max_tokens=0, stream=True, **kw))
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == "count the sheep"
+    with pytest.raises(openai.BadRequestError, match="only with 'echo'"):
+        client.completions.create(model=MODEL, prompt="count", max_tokens=0)
