@@ -144,3 +144,13 @@ def test_rounds_give_medians_and_each_ratio_within_its_own_round(monkeypatch):
         in md
     assert "| localserve int4 | 90 | 200 | 6000 ms |" in md
     assert "| int4 / llama-server | 1.50x | 2.50x | 0.25x |" in compare.table(rounds[0])
+
+
+def test_kernel_kinds_reads_engine_throughputs_row():
+    kinds = load_script("kernel_kinds")
+    out = ("torch 2.13.0+cpu, 2 threads, CPU capability AVX512, device cpu\n"
+           "| model | dtype | 1 seqs | 32 seqs | 16 vs 1 |\n| --- | --- | --- | --- | --- |\n"
+           "| smollm2-135m:int4 | float32 | 216 tok/s | 981 tok/s | - |\n")
+    assert kinds.throughput_row(out) == ("float32", [216.0, 981.0])
+    with pytest.raises(ValueError):
+        kinds.throughput_row("no table\n")

@@ -1,0 +1,84 @@
+"""This CPU's kernel kinds against each other: decode tokens/s and greedy fidelity of each, in
+the dtype each picks. The numbers behind cpu_gemm.kinds_for's order: on Intel CPUs with
+AVX-512 VNNI avx2_gemm.c's VNNI path comes first; on AMD's Zen 4 / 5 avx512_gemm.c still does,
+never measured against it there.
+
+    python benchmarks/kernel_kinds.py smollm2-135m:int4 --rounds 2
+
+Each round runs engine_throughput.py once per kind (LOCALSERVE_CPU_KERNELS=KIND, a process
+each), the kinds in turn, so that the host's drift meets every kind alike; then
+greedy_fidelity.py once per kind. Prints a markdown table: each round's tok/s per batch size,
+and the fidelity line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).parent
+ROW = re.compile(r"^\| (?P<name>[^|]+) \| (?P<dtype>\w+) \| (?P<cells>.*) \| [^|]* \|$")
+
+
+def kinds() -> list[str]:
+    """The kinds this CPU runs, in the order layers try them."""
+    from server.quant import cpu_gemm, native
+
+    return cpu_gemm.kinds_for(native.cpu_flags(), native.cpu_vendor())
+
+
+def run(kind: str, *args: str) -> str:
+    """A benchmark's output under LOCALSERVE_CPU_KERNELS=kind."""
+    env = dict(os.environ, LOCALSERVE_CPU_KERNELS=kind)
+    proc = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True,
+                          check=True)
+    return proc.stdout
+
+
+def throughput_row(output: str) -> tuple[str, list[float]]:
+    """engine_throughput.py's table row: the compute dtype and tok/s per batch size."""
+    for line in output.splitlines():
+        m = ROW.match(line.strip())
+        if m and m["name"].strip() not in ("model", "---"):
+            cells = [float(c.split()[0]) for c in m["cells"].split(" | ")]
+            return m["dtype"], cells
+    raise ValueError(f"no table row in engine_throughput.py's output:\n{output}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16, 32])
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args()
+    batch = [str(b) for b in args.batch]
+    order = kinds()
+    rates: dict[str, list[list[float]]] = {k: [] for k in order}
+    dtypes: dict[str, str] = {}
+    for _ in range(args.rounds):
+        for kind in order:
+            out = run(kind, str(HERE / "engine_throughput.py"), args.model, "--batch", *batch,
+                      "--tokens", str(args.tokens), "--repeat", "1")
+            dtypes[kind], cells = throughput_row(out)
+            rates[kind].append(cells)
+            print(f"{kind}: {dtypes[kind]}, " + ", ".join(f"{c:.0f}" for c in cells), flush=True)
+    short = {"float32": "fp32", "bfloat16": "bf16"}
+    fidelity = {kind: run(kind, str(HERE / "greedy_fidelity.py"), args.model, "--dtype",
+                          short[dtypes[kind]]).strip().splitlines()[-1] for kind in order}
+    print(f"\n{args.model}, kinds in this CPU's order: {', '.join(order)}\n")
+    print("| kind | compute | " + " | ".join(f"{b} seqs tok/s" for b in batch)
+          + " | greedy fidelity |")
+    print("| --- | --- |" + " --- |" * (len(batch) + 1))
+    for kind in order:
+        cells = [", ".join(f"{r[i]:.0f}" for r in rates[kind]) for i in range(len(batch))]
+        answer = fidelity[kind].split(": ", 1)[-1]
+        print(f"| {kind} | {dtypes[kind]} | " + " | ".join(cells) + f" | {answer} |")
+
+
+if __name__ == "__main__":
+    main()
