@@ -23,13 +23,13 @@ from server.api.protocol import Fields, parse_chat
 from server.api.serving import off_loop
 from server.api.state import ServerState
 from server.api.turn import prompt_token_ids
-from server.models.tokenizer import SPECIAL_TOKENS
 
 
 async def tokenize(request: Request) -> Response:
     state, f = await _fields(request)
     if f.raw("messages") is not None:
-        chat = {k: f.raw(k) for k in ("messages", "tools", "tool_choice") if f.raw(k) is not None}
+        given = {k: f.raw(k) for k in ("messages", "tools", "tool_choice")}
+        chat = {k: v for k, v in given.items() if v is not None}
         f.check_unknown()
         req = parse_chat({"model": state.served_name} | chat, state.vocab_size)
         tokens = await prompt_token_ids(state, req, "messages")
@@ -66,10 +66,8 @@ async def tokenizer_info(request: Request) -> Response:
     state: ServerState = request.app.state.server
     state.ready_engine()
     t = state.tokenizer
-    # our tokenizer keeps its config's special tokens by name; transformers' has attributes
-    special = getattr(t, "special_tokens", None)
-    if special is None:
-        special = {name: getattr(t, name, None) for name in SPECIAL_TOKENS}
+    # by name: our tokenizer's from its config, transformers' special_tokens_map
+    special = getattr(t, "special_tokens", None) or getattr(t, "special_tokens_map", {})
     return JSONResponse({
         "model": state.served_name, "tokenizer_class": type(t).__name__,
         **{name: special.get(name) for name in ("bos_token", "eos_token", "pad_token",

@@ -52,10 +52,7 @@ async def start_turn(state: ServerState, req: ChatRequest, salt: str, priority: 
                      schema_param: str = "response_format") -> Turn:
     """Render, size, constrain and start the request; 400s name `param` (the messages field
     of the protocol) or `schema_param` (where its output schema came from)."""
-    template = getattr(state.tokenizer, "chat_template", None) or ""
-    messages, tools = tool_messages(req.messages, req.tool_use, template)
-    prompt_ids = await off_loop(_prompt_ids, state.tokenizer, messages, tools, param,
-                                req.continue_final)
+    prompt_ids = await prompt_token_ids(state, req, param)
     params = with_max_tokens(state, req.params, req.max_tokens, len(prompt_ids), param)
     if req.prediction:  # as many tokens as a reply could follow (speculation.py)
         ids = await off_loop(state.tokenizer.encode, req.prediction, False)  # no BOS

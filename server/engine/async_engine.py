@@ -253,7 +253,9 @@ class AsyncEngine:
                 continue
             index = req.seqs.index(seq)
             detok = req.detokenizers[index]
-            first = seq.num_output_tokens == num_kept  # the choice's first chunk
+            # the choice's first chunk carries its prompt's logprobs, where asked
+            with_prompt = (seq.params.prompt_logprobs is not None
+                           and seq.num_output_tokens == num_kept)
             tokens = seq.token_ids[-num_kept:]
             text = ""
             for i, token in enumerate(tokens):
@@ -274,7 +276,7 @@ class AsyncEngine:
                 logprobs = [(token, lp, tops) for token, (lp, tops) in zip(
                     tokens, seq.logprobs[-len(tokens):], strict=True)]
             prompt_logprobs = None
-            if first and seq.params.prompt_logprobs is not None:
+            if with_prompt:
                 prompt_logprobs = [(token, lp, tops) for token, (lp, tops) in zip(
                     seq.token_ids[1:seq.num_prompt_tokens], seq.prompt_logprobs, strict=True)]
             chunk = CompletionChunk(
