@@ -239,7 +239,8 @@ class DrainingServer(uvicorn.Server):
         if sig == signal.SIGTERM and not state.draining:
             state.draining = True
             self.drain_deadline = time.monotonic() + self.drain_timeout
-            log.warning("SIGTERM: draining %d request(s)", state.num_http_inflight)
+            log.warning("SIGTERM: draining %d request(s) and %d background response(s)",
+                        state.num_http_inflight, state.num_background_running())
             return
         if sig == signal.SIGTERM:  # the second one: stop now, still exit 0
             self.should_exit = self.force_exit = True
@@ -249,7 +250,8 @@ class DrainingServer(uvicorn.Server):
     async def on_tick(self, counter: int) -> bool:
         state = self.state
         if state.draining and not self.should_exit and (
-                state.num_http_inflight == 0 or time.monotonic() > self.drain_deadline):
+                state.num_http_inflight == 0 and not state.num_background_running()
+                or time.monotonic() > self.drain_deadline):
             self.should_exit = True
         return await super().on_tick(counter)
 

@@ -41,3 +41,17 @@ class ResponseStore:
             cursor = db.execute("delete from responses where id = ? and tenant = ?",
                                 [response_id, tenant])
             return cursor.rowcount > 0
+
+    def fail_unfinished(self, error: dict[str, str]) -> int:
+        """Store every queued or in-progress (background) response failed with `error`; at
+        start, since none can still be running. Returns how many."""
+        with self.db.transaction() as db:
+            rows = list(db.query(
+                "select id, tenant, response from responses where json_extract(response, "
+                "'$.status') in ('queued', 'in_progress')"))
+            for row in rows:
+                response = json.loads(row["response"]) | {"status": "failed", "error": error}
+                db.execute("update responses set response = ? where id = ? and tenant = ?",
+                           [json.dumps(response, ensure_ascii=False), row["id"],
+                            row["tenant"]])
+        return len(rows)

@@ -18,6 +18,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from server.api import (
     anthropic_messages,
+    background,
     batches,
     dashboard,
     embeddings,
@@ -169,12 +170,15 @@ def create_app(settings: ServerSettings, state: ServerState | None = None) -> St
             state.worker = BatchWorker(state)  # resumes batches left unfinished
             state.worker.start()
 
+        # left unfinished by a crash: nothing generates them any more
+        await state.db.run(state.responses.fail_unfinished, background.SHUTDOWN)
         task = asyncio.create_task(load())
         sampler = asyncio.create_task(dashboard.sample_throughput(state))
         yield
         sampler.cancel()
         if not task.done():
             task.cancel()
+        await background.stop_all(state)  # stored failed: they cannot finish now
         if state.worker is not None:
             await state.worker.stop()
         await state.flush_usage()
@@ -198,6 +202,8 @@ def create_app(settings: ServerSettings, state: ServerState | None = None) -> St
         Route("/v1/responses/{response_id}", responses.delete_response, methods=["DELETE"]),
         Route("/v1/responses/{response_id}/input_items", responses.list_input_items,
               methods=["GET"]),
+        Route("/v1/responses/{response_id}/cancel", responses.cancel_response,
+              methods=["POST"]),
         Route("/v1/embeddings", embeddings.create_embeddings, methods=["POST"]),
         Route("/v1/messages", anthropic_messages.create_message, methods=["POST"]),
         Route("/v1/messages/count_tokens", anthropic_messages.count_tokens, methods=["POST"]),

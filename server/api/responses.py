@@ -1,5 +1,6 @@
 """POST /v1/responses, GET and DELETE /v1/responses/{id}, POST /v1/responses/input_tokens:
-OpenAI's Responses API over the same turn as chat (turn.py).
+OpenAI's Responses API over the same turn as chat (turn.py); `background` ones (background.py)
+also POST /v1/responses/{id}/cancel.
 
 A response's output is its items in the order the model wrote them: a `message` with one
 `output_text` part for text, a `function_call` per tool call. Stored responses (`store`,
@@ -19,6 +20,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from server.api import background
 from server.api.auth import tenant
 from server.api.body import read_json
 from server.api.errors import APIError, invalid
@@ -37,7 +39,13 @@ async def create_response(request: Request) -> Response:
 async def responses_answer(state: ServerState, body: dict[str, Any], salt: str, priority: int
                            ) -> dict[str, Any]:
     """The response a plain request with this body gets (for the batch queue)."""
-    return await answer_for_batch(state, body, salt, priority, parse_responses_request, _start)
+    def parse(body: dict[str, Any], vocab_size: int) -> ResponsesRequest:
+        req = parse_responses_request(body, vocab_size)
+        if req.background:
+            raise invalid("background", "Batch requests cannot run in the background.")
+        return req
+
+    return await answer_for_batch(state, body, salt, priority, parse, _start)
 
 
 async def count_input_tokens(request: Request) -> Response:
@@ -58,9 +66,29 @@ async def count_input_tokens(request: Request) -> Response:
 
 
 async def get_response(request: Request) -> Response:
+    """The stored response; with `stream=true`, a background one's events (background.py)."""
     state: ServerState = request.app.state.server
     stored = await _stored(state, tenant(request), request.path_params["response_id"], None)
+    stream = request.query_params.get("stream", "false")
+    if stream not in ("true", "false"):
+        raise invalid("stream", f"'stream' must be true or false, got {stream!r}.")
+    if stream == "true":
+        return background.follow_stream(request, state, stored[0])
     return JSONResponse(stored[0])
+
+
+async def cancel_response(request: Request) -> Response:
+    """POST /v1/responses/{id}/cancel: a background response that has not ended stops and is
+    stored `cancelled`; one that ended comes back as it is; other responses cannot be."""
+    state: ServerState = request.app.state.server
+    owner, response_id = tenant(request), request.path_params["response_id"]
+    response, _ = await _stored(state, owner, response_id, None)
+    if not response.get("background"):
+        raise invalid(None, "Only responses created with background=true can be cancelled.")
+    if response["status"] in background.UNFINISHED:  # so running here (a start fails others)
+        await background.stop(state, response_id)
+        response, _ = await _stored(state, owner, response_id, None)
+    return JSONResponse(response)
 
 
 async def list_input_items(request: Request) -> Response:
@@ -110,6 +138,8 @@ def _input_items(message: dict[str, Any], key: str) -> list[dict[str, Any]]:
 async def delete_response(request: Request) -> Response:
     state: ServerState = request.app.state.server
     response_id = request.path_params["response_id"]
+    await _stored(state, tenant(request), response_id, None)  # another tenant's stays
+    await background.stop(state, response_id)  # one running stops first
     if not await state.db.run(state.responses.delete, tenant(request), response_id):
         raise _not_found(response_id, None)
     return JSONResponse({"id": response_id, "object": "response", "deleted": True})
@@ -144,6 +174,8 @@ async def _start(state: ServerState, req: ResponsesRequest, salt: str, priority:
             raise
         turn = await start(await _fitting_tail(state, req, system, conversation))
     run = _Run(state, req, turn, conversation, salt)  # stored whole: only this turn is cut
+    if req.background:
+        return await background.start(state, run, salt)
     return Generation(run.collect, run.stream)
 
 
@@ -299,8 +331,8 @@ class _Run:
         self.created_at = int(time.time())
         self.token_text = TokenText(state.tokenizer)
 
-    def _response(self, status: str, output: list[dict[str, Any]],
-                  finish: str | None = None) -> dict[str, Any]:
+    def response(self, status: str, output: list[dict[str, Any]], finish: str | None = None,
+                 error: dict[str, str] | None = None) -> dict[str, Any]:
         c = self.count
         done = status in ("completed", "incomplete")
         usage = {"input_tokens": c.num_prompt,
@@ -309,7 +341,7 @@ class _Run:
                  "output_tokens_details": {"reasoning_tokens": 0},
                  "total_tokens": c.num_prompt + c.num_output} if done else None
         return {"id": self.turn.request_id, "object": "response",
-                "created_at": self.created_at, "status": status, "error": None,
+                "created_at": self.created_at, "status": status, "error": error,
                 "incomplete_details": {"reason": "max_output_tokens"} if finish == "length"
                 else None, "model": self.state.served_name, "output": output,
                 "usage": usage, **self.req.echo}
@@ -341,7 +373,7 @@ class _Run:
             yield events if pending else events[:-1]
         status = "incomplete" if finish == "length" else "completed"
         events = out.close(status)
-        response = self._response(status, [_copy(i) for i in out.items], finish)
+        response = self.response(status, [_copy(i) for i in out.items], finish)
         if self.req.store:
             await self.state.db.run(self.state.responses.put, self.owner, response,
                                     self.conversation + [_assistant_message(out.items)])
@@ -354,10 +386,12 @@ class _Run:
         return last[-1]["response"]
 
     async def stream(self) -> AsyncIterator[dict[str, Any]]:
-        started = self._response("in_progress", [])
+        created = "queued" if self.req.background else "in_progress"
         numbered = 0
-        for kind in ("response.created", "response.in_progress"):
-            yield {"type": kind, "sequence_number": numbered, "response": started}
+        for kind, status in (("response.created", created), ("response.in_progress",
+                                                             "in_progress")):
+            yield {"type": kind, "sequence_number": numbered,
+                   "response": self.response(status, [])}
             numbered += 1
         async for events in self._events():
             for event in events:

@@ -29,6 +29,7 @@ class ResponsesRequest:
     previous_response_id: str | None
     store: bool
     truncate: bool  # truncation "auto": the oldest items go until the rest fits the context
+    background: bool = False  # answered at once, queued; generated after (background.py)
     echo: dict[str, Any] = field(default_factory=dict)  # request fields the response repeats
 
     @property
@@ -81,14 +82,17 @@ def parse_responses_request(body: dict[str, Any], vocab_size: int) -> ResponsesR
     if truncation not in (None, "auto", "disabled"):
         raise invalid("truncation", f"Invalid value for 'truncation': {truncation!r}. "
                       "Supported values are: 'auto', 'disabled'.")
-    f.refuse("background", (None, False), "background responses")
+    background = f.bool("background")
+    if background and not store:
+        raise invalid("background", "A background response is stored: 'background' needs "
+                      "'store' true.")
     f.refuse("reasoning", (None,), "reasoning settings")
     f.refuse("conversation", (None,), "conversations; use previous_response_id")
     f.refuse("prompt", (None,), "prompt templates")
     f.refuse("max_tool_calls")
     f.refuse("moderation")
     f.refuse("context_management", (None,), "context management (compaction)")
-    f.refuse("background_options", (None,), "background responses")
+    f.refuse("background_options", (None,), "background options")
     f.refuse("access_programs")
     f.refuse("image", (None,), "image generation")
     f.check_unknown()
@@ -97,12 +101,13 @@ def parse_responses_request(body: dict[str, Any], vocab_size: int) -> ResponsesR
                        tool_use=tool_use)
     echo = {"instructions": instructions, "max_output_tokens": max_tokens,
             "metadata": metadata or {}, "parallel_tool_calls": parallel is not False,
-            "previous_response_id": previous, "store": store,
+            "previous_response_id": previous, "store": store, "background": background,
             "temperature": params.temperature, "top_p": params.top_p,
             "text": text_echo, "tool_choice": choice if choice is not None else "auto",
             "top_logprobs": top,
             "tools": raw_tools or [], "truncation": truncation or "disabled", "user": user}
-    return ResponsesRequest(chat, instructions, previous, store, truncation == "auto", echo)
+    return ResponsesRequest(chat, instructions, previous, store, truncation == "auto",
+                            background, echo)
 
 
 # What `include` may name. Only the logprobs add anything here: the others belong to tools,

@@ -92,6 +92,7 @@ class ServerState:
         self.files = FileStore(self.db, home / "files")
         self.batches = BatchStore(self.db, self.files)
         self.responses = ResponseStore(self.db)
+        self.background: dict[str, Any] = {}  # background responses by id (background.py)
         self.worker: Wakeable | None = None  # the BatchWorker, once the model is loaded
         self.grammars: GrammarCompiler | None = None  # once the model is loaded
         # Grammars compile here: never on the event loop, never in the engine's thread, and
@@ -169,6 +170,14 @@ class ServerState:
 
     def release(self) -> None:
         self.num_pending -= 1
+
+    def num_background_running(self) -> int:
+        return sum(1 for run in self.background.values() if run.ended_at is None)
+
+    def hand_on(self) -> None:
+        """One more place, unchecked: an admitted request's work outlives it (a background
+        response); released when that work ends."""
+        self.num_pending += 1
 
 
 def _add_usage_rows(db: Database, rows: list[dict[str, Any]]) -> None:
