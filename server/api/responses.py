@@ -185,8 +185,11 @@ async def _conversation(state: ServerState, req: ResponsesRequest, salt: str
     response's stored one, then the input)."""
     history: list[dict[str, Any]] = []
     if req.previous_response_id is not None:
-        _, history = await _stored(state, salt, req.previous_response_id,
-                                   "previous_response_id")
+        previous, history = await _stored(state, salt, req.previous_response_id,
+                                          "previous_response_id")
+        if previous["status"] in background.UNFINISHED:  # its reply is not there yet
+            raise invalid("previous_response_id", f"Response '{req.previous_response_id}' "
+                          f"is {previous['status']}; continue from it once it has finished.")
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
     return system, history + req.chat.messages
 

@@ -52,6 +52,9 @@ def test_background_is_queued_then_polled_to_the_plain_answer(client):
 
 def test_cancel_stops_a_running_background_response(client, server):
     r = client.responses.create(model=MODEL, input="Say anything", background=True, **ENDLESS)
+    with pytest.raises(openai.BadRequestError) as e:  # its reply is not written yet
+        client.responses.create(model=MODEL, input="Go on", previous_response_id=r.id)
+    assert e.value.body["param"] == "previous_response_id"
     cancelled = client.responses.cancel(r.id)
     assert cancelled.id == r.id and cancelled.status == "cancelled"
     assert cancelled.usage is None and cancelled.background is True
