@@ -21,7 +21,7 @@ import sqlite_utils
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 3  # 2: batches.output_expires_after; 3: responses
+SCHEMA_VERSION = 4  # 2: batches.output_expires_after; 3: responses; 4: conversations
 
 
 class DatabaseBusyError(Exception):
@@ -142,5 +142,8 @@ class Database:
             db["responses"].create({
                 "id": str, "tenant": str, "created_at": int, "response": str,
                 "conversation": str,
+            }, pk="id", if_not_exists=True)
+            db["conversations"].create({
+                "id": str, "tenant": str, "created_at": int, "metadata": str, "items": str,
             }, pk="id", if_not_exists=True)
             db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")

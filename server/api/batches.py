@@ -12,7 +12,7 @@ from server.api.batch_worker import ANSWERS
 from server.api.body import read_json
 from server.api.errors import APIError, invalid, unsupported
 from server.api.files import expires_after, int_param, owned_row, page
-from server.api.protocol import Fields
+from server.api.protocol import Fields, parse_metadata
 from server.api.state import ServerState
 from storage.batches import MESSAGES, batch_object
 
@@ -26,7 +26,7 @@ async def create_batch(request: Request) -> Response:
     input_file_id = f.str("input_file_id", required=True)
     endpoint = f.str("endpoint", required=True)
     window = f.str("completion_window", required=True)
-    metadata = _metadata(f.raw("metadata"))
+    metadata = parse_metadata(f.raw("metadata"))
     output_expires = expires_after(f.raw("output_expires_after"), "output_expires_after")
     f.check_unknown()
     if endpoint in OPENAI_ONLY_ENDPOINTS:
@@ -88,18 +88,3 @@ async def _row(request: Request) -> dict[str, Any]:
 async def _object(state: ServerState, row: dict[str, Any]) -> dict[str, Any]:
     usage = await state.db.run(state.batches.usage, row["id"])
     return batch_object(row, usage)
-
-
-def _metadata(v: Any) -> dict[str, str] | None:
-    """At most 16 pairs; keys up to 64 characters, string values up to 512."""
-    if v is None:
-        return None
-    if not isinstance(v, dict):
-        raise invalid("metadata", "Invalid type for 'metadata': expected an object.")
-    if len(v) > 16:
-        raise invalid("metadata", "'metadata' holds at most 16 pairs.")
-    for key, value in v.items():
-        if len(key) > 64 or not isinstance(value, str) or len(value) > 512:
-            raise invalid("metadata", f"Invalid metadata pair {key!r}: keys up to 64 "
-                          "characters, string values up to 512.")
-    return v

@@ -384,3 +384,18 @@ def _prompts(v: Any, vocab_size: int) -> list[str | list[int]]:
             return [_token_ids(p, "prompt", vocab_size) for p in v]
     raise invalid("prompt", "Invalid value for 'prompt': expected a non-empty string, array of "
                   "strings, array of token ids or array of token id arrays.")
+
+
+def parse_metadata(v: Any) -> dict[str, str] | None:
+    """At most 16 pairs; keys up to 64 characters, string values up to 512."""
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise invalid("metadata", "Invalid type for 'metadata': expected an object.")
+    if len(v) > 16:
+        raise invalid("metadata", "'metadata' holds at most 16 pairs.")
+    for key, value in v.items():
+        if len(key) > 64 or not isinstance(value, str) or len(value) > 512:
+            raise invalid("metadata", f"Invalid metadata pair {key!r}: keys up to 64 "
+                          "characters, string values up to 512.")
+    return v

@@ -20,12 +20,15 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from server.api import background
+from server.api import background, conversations
 from server.api.auth import tenant
 from server.api.body import read_json
 from server.api.errors import APIError, invalid
-from server.api.files import int_param, page
-from server.api.responses_protocol import ResponsesRequest, parse_responses_request
+from server.api.responses_protocol import (
+    ResponsesRequest,
+    message_items,
+    parse_responses_request,
+)
 from server.api.serving import Generation, TokenText, answer_for_batch, respond, with_max_tokens
 from server.api.state import ServerState
 from server.api.turn import Turn, count_prompt_tokens, pieces, start_turn
@@ -97,42 +100,9 @@ async def list_input_items(request: Request) -> Response:
     state: ServerState = request.app.state.server
     response_id = request.path_params["response_id"]
     _, conversation = await _stored(state, tenant(request), response_id, None)
-    q = request.query_params
-    limit = int_param(q.get("limit"), "limit", 20, 1, 100)
-    order = q.get("order", "desc")
-    if order not in ("asc", "desc"):
-        raise invalid("order", f"'order' must be 'asc' or 'desc', got {order!r}.")
     items = [item for i, m in enumerate(conversation[:-1])  # the last is the output
-             for item in _input_items(m, f"{response_id.removeprefix('resp_')}_{i}")]
-    if order == "desc":
-        items.reverse()
-    after = q.get("after")
-    if after is not None:
-        ids = [item["id"] for item in items]
-        if after not in ids:
-            raise invalid("after", f"No input item {after!r} in response {response_id!r}.")
-        items = items[ids.index(after) + 1:]
-    return JSONResponse(page(items[:limit], len(items) > limit))
-
-
-def _input_items(message: dict[str, Any], key: str) -> list[dict[str, Any]]:
-    """A conversation's chat message as Responses items (ids stable across calls)."""
-    role = message["role"]
-    if role == "tool":
-        return [{"id": f"fco_{key}", "type": "function_call_output",
-                 "call_id": message["tool_call_id"], "output": message["content"],
-                 "status": "completed"}]
-    items = []
-    if message["content"] or not message.get("tool_calls"):
-        kind = "output_text" if role == "assistant" else "input_text"
-        items.append({"id": f"msg_{key}", "type": "message", "role": role,
-                      "status": "completed",
-                      "content": [{"type": kind, "text": message["content"]}
-                                  | ({"annotations": []} if role == "assistant" else {})]})
-    items += [{"id": f"fc_{key}_{j}", "type": "function_call", "call_id": c["id"],
-               "name": c["function"]["name"], "arguments": c["function"]["arguments"],
-               "status": "completed"} for j, c in enumerate(message.get("tool_calls", []))]
-    return items
+             for item in message_items(m, f"{response_id.removeprefix('resp_')}_{i}")]
+    return JSONResponse(conversations.items_page(items, request, f"response {response_id!r}"))
 
 
 async def delete_response(request: Request) -> Response:
@@ -190,6 +160,9 @@ async def _conversation(state: ServerState, req: ResponsesRequest, salt: str
         if previous["status"] in background.UNFINISHED:  # its reply is not there yet
             raise invalid("previous_response_id", f"Response '{req.previous_response_id}' "
                           f"is {previous['status']}; continue from it once it has finished.")
+    elif req.conversation is not None:
+        _, items = await conversations.stored(state, salt, req.conversation, "conversation")
+        history = conversations.history(items)
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
     return system, history + req.chat.messages
 
@@ -377,6 +350,11 @@ class _Run:
         status = "incomplete" if finish == "length" else "completed"
         events = out.close(status)
         response = self.response(status, [_copy(i) for i in out.items], finish)
+        if self.req.conversation is not None:  # this turn's input and output go on the end
+            items = conversations.new_items(self.req.chat.messages) + [
+                _copy(i) for i in out.items]  # (first: who sees it finished sees them)
+            await self.state.db.run(self.state.conversations.add_items, self.owner,
+                                    self.req.conversation, items)
         if self.req.store:
             await self.state.db.run(self.state.responses.put, self.owner, response,
                                     self.conversation + [_assistant_message(out.items)])

@@ -30,6 +30,7 @@ class ResponsesRequest:
     store: bool
     truncate: bool  # truncation "auto": the oldest items go until the rest fits the context
     background: bool = False  # answered at once, queued; generated after (background.py)
+    conversation: str | None = None  # its items come first, its end adds to them
     echo: dict[str, Any] = field(default_factory=dict)  # request fields the response repeats
 
     @property
@@ -44,9 +45,18 @@ class ResponsesRequest:
 def parse_responses_request(body: dict[str, Any], vocab_size: int) -> ResponsesRequest:
     f = Fields(body)
     model = f.str("model", required=True)
-    messages = _input(f.raw("input"))
+    messages = input_messages(f.raw("input"), "input")
     instructions = f.str("instructions")
     previous = f.str("previous_response_id")
+    conversation = f.raw("conversation")
+    if isinstance(conversation, dict) and set(conversation) == {"id"}:
+        conversation = conversation["id"]
+    if conversation is not None and not isinstance(conversation, str):
+        raise invalid("conversation", "Invalid type for 'conversation': expected a "
+                      "conversation id or an object with its 'id'.")
+    if conversation is not None and previous is not None:
+        raise invalid("conversation", "'conversation' and 'previous_response_id' cannot both "
+                      "be set.")
     store = f.bool("store", True)
     stream = f.bool("stream")
     options = f.raw("stream_options")
@@ -87,7 +97,6 @@ def parse_responses_request(body: dict[str, Any], vocab_size: int) -> ResponsesR
         raise invalid("background", "A background response is stored: 'background' needs "
                       "'store' true.")
     f.refuse("reasoning", (None,), "reasoning settings")
-    f.refuse("conversation", (None,), "conversations; use previous_response_id")
     f.refuse("prompt", (None,), "prompt templates")
     f.refuse("max_tool_calls")
     f.refuse("moderation")
@@ -102,12 +111,13 @@ def parse_responses_request(body: dict[str, Any], vocab_size: int) -> ResponsesR
     echo = {"instructions": instructions, "max_output_tokens": max_tokens,
             "metadata": metadata or {}, "parallel_tool_calls": parallel is not False,
             "previous_response_id": previous, "store": store, "background": background,
+            "conversation": {"id": conversation} if conversation else None,
             "temperature": params.temperature, "top_p": params.top_p,
             "text": text_echo, "tool_choice": choice if choice is not None else "auto",
             "top_logprobs": top,
             "tools": raw_tools or [], "truncation": truncation or "disabled", "user": user}
     return ResponsesRequest(chat, instructions, previous, store, truncation == "auto",
-                            background, echo)
+                            background, conversation, echo)
 
 
 # What `include` may name. Only the logprobs add anything here: the others belong to tools,
@@ -130,15 +140,16 @@ def _include(v: Any) -> set[str]:
     return set(v)
 
 
-def _input(v: Any) -> list[dict[str, Any]]:
+def input_messages(v: Any, name: str) -> list[dict[str, Any]]:
+    """Responses input (a string, or items) as chat messages; errors name the field `name`."""
     if isinstance(v, str):
         return [{"role": "user", "content": v}]
     if not isinstance(v, list) or not v:
-        raise invalid("input", "Invalid value for 'input': expected a string or a non-empty "
+        raise invalid(name, f"Invalid value for '{name}': expected a string or a non-empty "
                       "array of input items.")
     out: list[dict[str, Any]] = []
     for i, item in enumerate(v):
-        where = f"input[{i}]"
+        where = f"{name}[{i}]"
         if not isinstance(item, dict):
             raise invalid(where, f"Invalid type for '{where}': expected an object.")
         kind = item.get("type", "message")
@@ -162,6 +173,27 @@ def _input(v: Any) -> list[dict[str, Any]]:
         else:
             raise unsupported(f"{where}.type", f"input items of type {kind!r}")
     return out
+
+
+def message_items(message: dict[str, Any], key: str) -> list[dict[str, Any]]:
+    """A chat message as Responses items, their ids made from `key` (the inverse of
+    input_messages)."""
+    role = message["role"]
+    if role == "tool":
+        return [{"id": f"fco_{key}", "type": "function_call_output",
+                 "call_id": message["tool_call_id"], "output": message["content"],
+                 "status": "completed"}]
+    items = []
+    if message["content"] or not message.get("tool_calls"):
+        kind = "output_text" if role == "assistant" else "input_text"
+        items.append({"id": f"msg_{key}", "type": "message", "role": role,
+                      "status": "completed",
+                      "content": [{"type": kind, "text": message["content"]}
+                                  | ({"annotations": []} if role == "assistant" else {})]})
+    items += [{"id": f"fc_{key}_{j}", "type": "function_call", "call_id": c["id"],
+               "name": c["function"]["name"], "arguments": c["function"]["arguments"],
+               "status": "completed"} for j, c in enumerate(message.get("tool_calls", []))]
+    return items
 
 
 def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
