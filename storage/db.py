@@ -21,7 +21,8 @@ import sqlite_utils
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 4  # 2: batches.output_expires_after; 3: responses; 4: conversations
+SCHEMA_VERSION = 4  # 2: batches.output_expires_after; 3: responses; 4: conversations and
+# stored chat completions
 
 
 class DatabaseBusyError(Exception):
@@ -146,4 +147,9 @@ class Database:
             db["conversations"].create({
                 "id": str, "tenant": str, "created_at": int, "metadata": str, "items": str,
             }, pk="id", if_not_exists=True)
+            db["chat_completions"].create({
+                "id": str, "tenant": str, "created_at": int, "model": str, "metadata": str,
+                "completion": str, "messages": str,
+            }, pk="id", if_not_exists=True)
+            db["chat_completions"].create_index(["tenant", "created_at"], if_not_exists=True)
             db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")

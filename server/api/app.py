@@ -27,6 +27,7 @@ from server.api import (
     message_batches,
     metrics,
     responses,
+    stored_completions,
     tokenize,
 )
 from server.api.anthropic_protocol import rfc3339
@@ -196,6 +197,15 @@ def create_app(settings: ServerSettings, state: ServerState | None = None) -> St
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", get_model, methods=["GET"]),
         Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
+        Route("/v1/chat/completions", stored_completions.list_completions, methods=["GET"]),
+        Route("/v1/chat/completions/{completion_id}", stored_completions.get_completion,
+              methods=["GET"]),
+        Route("/v1/chat/completions/{completion_id}", stored_completions.update_completion,
+              methods=["POST"]),
+        Route("/v1/chat/completions/{completion_id}", stored_completions.delete_completion,
+              methods=["DELETE"]),
+        Route("/v1/chat/completions/{completion_id}/messages",
+              stored_completions.list_messages, methods=["GET"]),
         Route("/v1/completions", create_completion, methods=["POST"]),
         Route("/v1/responses", responses.create_response, methods=["POST"]),
         Route("/v1/responses/input_tokens", responses.count_input_tokens, methods=["POST"]),

@@ -38,7 +38,7 @@ async def chat_answer(state: ServerState, body: dict[str, Any], salt: str, prior
 
 async def _start(state: ServerState, req: ChatRequest, salt: str, priority: int) -> Generation:
     turn = await start_turn(state, req, salt, priority)
-    run = _Run(state, req, turn)
+    run = _Run(state, req, turn, salt)
     return Generation(lambda: run.collect(turn.chunks), lambda: run.stream(pieces(turn)))
 
 
@@ -51,8 +51,8 @@ def _logprobs(token_text: TokenText, chunk: CompletionChunk) -> dict[str, Any] |
 class _Run:
     """One chat request: turns engine chunks into a `chat.completion` or its chunk events."""
 
-    def __init__(self, state: ServerState, req: ChatRequest, turn: Turn) -> None:
-        self.state, self.req, self.rid = state, req, turn.request_id
+    def __init__(self, state: ServerState, req: ChatRequest, turn: Turn, owner: str) -> None:
+        self.state, self.req, self.rid, self.owner = state, req, turn.request_id, owner
         self.count = TokenCount(turn.num_prompt_tokens, req.prediction is not None)
         self.token_text = TokenText(state.tokenizer)
         self.created = int(time.time())
@@ -65,23 +65,20 @@ class _Run:
                 "system_fingerprint": SYSTEM_FINGERPRINT}
 
     async def collect(self, chunks: AsyncIterator[CompletionChunk]) -> dict[str, Any]:
-        n = self.req.params.n
-        texts: list[list[str]] = [[] for _ in range(n)]
-        logprobs: list[list[dict]] = [[] for _ in range(n)]
-        finish: list[str | None] = [None] * n
+        written = _Written(self.req.params.n)
         async for chunk in chunks:
-            i = chunk.index
-            texts[i].append(chunk.text)
             self.count.add(chunk)
-            lp = _logprobs(self.token_text, chunk)
-            if lp is not None:
-                logprobs[i] += lp["content"]
-            if chunk.finish_reason is not None:
-                finish[i] = chunk.finish_reason
+            written.add(chunk, _logprobs(self.token_text, chunk))
+        return await self._answered(written)
+
+    async def _answered(self, written: _Written) -> dict[str, Any]:
+        """The `chat.completion` of what the choices wrote; stored where asked."""
         with_logprobs = self.req.params.logprobs
         choices = []
-        for i in range(n):
-            message = {"role": "assistant", "content": "".join(texts[i]), "refusal": None}
+        for i in range(self.req.params.n):
+            message = {"role": "assistant", "content": "".join(written.texts[i]),
+                       "refusal": None}
+            finish = written.finish[i]
             if self.calls_tools:
                 parser = ToolCallParser()
                 content = parser.feed(message["content"]).content + parser.finish().content
@@ -90,12 +87,17 @@ class _Run:
                     message["function_call"] = openai_calls(parser.calls)[0]["function"]
                 elif parser.calls:
                     message["tool_calls"] = openai_calls(parser.calls)
-                finish[i] = self._finish(finish_with_calls(finish[i], parser))
+                finish = self._finish(finish_with_calls(finish, parser))
             choices.append({
                 "index": i, "message": message,
-                "logprobs": {"content": logprobs[i], "refusal": None} if with_logprobs else None,
-                "finish_reason": finish[i]})
-        return self._object("chat.completion", choices) | {"usage": self.count.usage()}
+                "logprobs": {"content": written.logprobs[i], "refusal": None}
+                if with_logprobs else None,
+                "finish_reason": finish})
+        completion = self._object("chat.completion", choices) | {"usage": self.count.usage()}
+        if self.req.store:
+            await self.state.db.run(self.state.chat_completions.put, self.owner, completion,
+                                    self.req.messages, self.req.metadata or {})
+        return completion
 
     async def stream(self, parts: AsyncIterator[Piece]) -> AsyncIterator[dict[str, Any]]:
         extra = {"usage": None} if self.req.include_usage else {}
@@ -109,10 +111,12 @@ class _Run:
         only_calls = self.calls_tools and self.req.tool_use.forced
         for i in range(self.req.params.n):
             yield event(i, {"role": "assistant", "content": None if only_calls else ""})
+        written = _Written(self.req.params.n)  # for storing (`store`)
         async for piece in parts:
             chunk = piece.chunk
             self.count.add(chunk)
             lp = _logprobs(self.token_text, chunk)
+            written.add(chunk, lp)
             if not self.calls_tools:
                 delta = {"content": chunk.text} if chunk.text or lp is not None else None
             else:
@@ -121,11 +125,29 @@ class _Run:
                 yield event(chunk.index, delta, logprobs=lp)
             if piece.finish_reason is not None:
                 yield event(chunk.index, {}, self._finish(piece.finish_reason))
+        if self.req.store:
+            await self._answered(written)
         if self.req.include_usage:
             yield self._object("chat.completion.chunk", []) | {"usage": self.count.usage()}
 
     def _finish(self, reason: str | None) -> str | None:
         return "function_call" if self.legacy and reason == "tool_calls" else reason
+
+
+class _Written:
+    """What each of a request's choices wrote: the engine's text, logprobs, finish reason."""
+
+    def __init__(self, n: int) -> None:
+        self.texts: list[list[str]] = [[] for _ in range(n)]
+        self.logprobs: list[list[dict[str, Any]]] = [[] for _ in range(n)]
+        self.finish: list[str | None] = [None] * n
+
+    def add(self, chunk: CompletionChunk, logprobs: dict[str, Any] | None) -> None:
+        self.texts[chunk.index].append(chunk.text)
+        if logprobs is not None:
+            self.logprobs[chunk.index] += logprobs["content"]
+        if chunk.finish_reason is not None:
+            self.finish[chunk.index] = chunk.finish_reason
 
 
 def _delta(parsed: Parsed, has_logprobs: bool, legacy: bool) -> dict[str, Any] | None:

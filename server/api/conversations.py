@@ -19,7 +19,7 @@ from starlette.responses import JSONResponse, Response
 from server.api.auth import tenant
 from server.api.body import read_json
 from server.api.errors import APIError, invalid
-from server.api.files import int_param, page
+from server.api.files import cursor_page, delete_owned, page, update_metadata
 from server.api.protocol import Fields, parse_metadata
 from server.api.responses_protocol import input_messages, message_items
 from server.api.state import ServerState
@@ -57,27 +57,13 @@ async def get_conversation(request: Request) -> Response:
 
 
 async def update_conversation(request: Request) -> Response:
-    state: ServerState = request.app.state.server
-    f = Fields(await read_json(request, state.settings.max_body_bytes))
-    metadata = parse_metadata(f.raw("metadata"))
-    if metadata is None:
-        raise invalid("metadata", "Missing required parameter: 'metadata'.")
-    f.check_unknown()
-    conversation_id = request.path_params["conversation_id"]
-    updated = await state.db.run(state.conversations.set_metadata, tenant(request),
-                                 conversation_id, metadata)
-    if updated is None:
-        raise not_found(conversation_id)
-    return JSONResponse(updated)
+    return await update_metadata(request, request.app.state.server.conversations.set_metadata,
+                                 "conversation_id", not_found)
 
 
 async def delete_conversation(request: Request) -> Response:
-    state: ServerState = request.app.state.server
-    conversation_id = request.path_params["conversation_id"]
-    if not await state.db.run(state.conversations.delete, tenant(request), conversation_id):
-        raise not_found(conversation_id)
-    return JSONResponse({"id": conversation_id, "object": "conversation.deleted",
-                         "deleted": True})
+    return await delete_owned(request, request.app.state.server.conversations.delete,
+                              "conversation_id", "conversation", not_found)
 
 
 async def add_items(request: Request) -> Response:
@@ -96,26 +82,7 @@ async def list_items(request: Request) -> Response:
     """GET /v1/conversations/{id}/items: newest first unless order=asc; `after` an item id."""
     state: ServerState = request.app.state.server
     _, items = await stored(state, tenant(request), request.path_params["conversation_id"])
-    return JSONResponse(items_page(items, request, "this conversation"))
-
-
-def items_page(items: list[dict[str, Any]], request: Request, where: str) -> dict[str, Any]:
-    """A page of `items` (given oldest first): newest first unless order=asc, `limit` 1-100
-    (20), from after the item `after` names (in `where`)."""
-    q = request.query_params
-    limit = int_param(q.get("limit"), "limit", 20, 1, 100)
-    order = q.get("order", "desc")
-    if order not in ("asc", "desc"):
-        raise invalid("order", f"'order' must be 'asc' or 'desc', got {order!r}.")
-    if order == "desc":
-        items = items[::-1]
-    after = q.get("after")
-    if after is not None:
-        ids = [item["id"] for item in items]
-        if after not in ids:
-            raise invalid("after", f"No item {after!r} in {where}.")
-        items = items[ids.index(after) + 1:]
-    return page(items[:limit], len(items) > limit)
+    return JSONResponse(cursor_page(items, request, "this conversation"))
 
 
 async def get_item(request: Request) -> Response:

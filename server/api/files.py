@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 from starlette.datastructures import UploadFile
@@ -10,7 +11,9 @@ from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
 
 from server.api.auth import tenant
+from server.api.body import read_json
 from server.api.errors import APIError, invalid
+from server.api.protocol import Fields, parse_metadata
 from server.api.state import ServerState
 from storage.files import file_object
 
@@ -154,6 +157,34 @@ async def owned_row(request: Request, get, kind: str, id_param: str) -> dict[str
     return row
 
 
+async def update_metadata(request: Request, set_metadata, id_param: str,
+                          missing: Callable[[str], APIError]) -> Response:
+    """POST with `metadata` to the caller's object named by `id_param` (conversations, stored
+    chat completions): the new metadata replaces the old; answers the object, or `missing`."""
+    state: ServerState = request.app.state.server
+    f = Fields(await read_json(request, state.settings.max_body_bytes))
+    metadata = parse_metadata(f.raw("metadata"))
+    if metadata is None:
+        raise invalid("metadata", "Missing required parameter: 'metadata'.")
+    f.check_unknown()
+    object_id = request.path_params[id_param]
+    updated = await state.db.run(set_metadata, tenant(request), object_id, metadata)
+    if updated is None:
+        raise missing(object_id)
+    return JSONResponse(updated)
+
+
+async def delete_owned(request: Request, delete, id_param: str, kind: str,
+                       missing: Callable[[str], APIError]) -> Response:
+    """DELETE the caller's object named by `id_param`: `{id, object: "KIND.deleted", deleted}`,
+    or `missing`."""
+    state: ServerState = request.app.state.server
+    object_id = request.path_params[id_param]
+    if not await state.db.run(delete, tenant(request), object_id):
+        raise missing(object_id)
+    return JSONResponse({"id": object_id, "object": f"{kind}.deleted", "deleted": True})
+
+
 def int_param(value: str | None, name: str, default: int, lo: int, hi: int) -> int:
     if value is None:
         return default
@@ -170,4 +201,24 @@ def page(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
     """OpenAI's cursor page."""
     return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
             "last_id": data[-1]["id"] if data else None, "has_more": has_more}
+
+
+def cursor_page(data: list[dict[str, Any]], request: Request, where: str,
+                default_order: str = "desc") -> dict[str, Any]:
+    """The page of `data` (given oldest first) the query asks for: `order` (asc or desc),
+    `limit` 1-100 (20), from after the object `after` names (in `where`)."""
+    q = request.query_params
+    limit = int_param(q.get("limit"), "limit", 20, 1, 100)
+    order = q.get("order", default_order)
+    if order not in ("asc", "desc"):
+        raise invalid("order", f"'order' must be 'asc' or 'desc', got {order!r}.")
+    if order == "desc":
+        data = data[::-1]
+    after = q.get("after")
+    if after is not None:
+        ids = [x["id"] for x in data]
+        if after not in ids:
+            raise invalid("after", f"No {after!r} in {where}.")
+        data = data[ids.index(after) + 1:]
+    return page(data[:limit], len(data) > limit)
 

@@ -114,6 +114,8 @@ class ChatRequest(GenerateRequest):
     tool_use: ToolUse | None = None  # tools offered, and how they may be called
     continue_final: bool = False  # the reply continues the final (assistant) message's text
     prediction: str | None = None  # predicted outputs: the reply's expected text
+    store: bool = False  # kept for GET /v1/chat/completions (stored_completions.py)
+    metadata: dict[str, str] | None = None  # stored with it, to filter the list by
 
 
 @dataclass(slots=True)
@@ -235,15 +237,15 @@ def parse_chat(body: dict[str, Any], vocab_size: int) -> ChatRequest:
     f.refuse("web_search_options")
     f.refuse("reasoning_effort")
     f.refuse("verbosity")
-    f.refuse("store", (None, False), "stored completions")
+    store = f.bool("store")
     f.refuse("moderation")
-    f.raw("metadata")  # only meaningful with store
+    metadata = parse_metadata(f.raw("metadata"))
     continue_final = _continue_final(f, messages)
     f.check_unknown()
     params = SamplingParams(logprobs=logprobs, top_logprobs=top or 0, **kw)
     return ChatRequest(params=params, max_tokens=max_tokens, messages=messages,
                        output_schema=output, tool_use=tool_use, continue_final=continue_final,
-                       prediction=prediction, **other)
+                       prediction=prediction, store=store, metadata=metadata, **other)
 
 
 def _prediction(v: Any, kw: dict[str, Any], tool_use: ToolUse | None) -> str | None:

@@ -24,6 +24,7 @@ from server.api import background, conversations
 from server.api.auth import tenant
 from server.api.body import read_json
 from server.api.errors import APIError, invalid
+from server.api.files import cursor_page
 from server.api.responses_protocol import (
     ResponsesRequest,
     message_items,
@@ -102,7 +103,7 @@ async def list_input_items(request: Request) -> Response:
     _, conversation = await _stored(state, tenant(request), response_id, None)
     items = [item for i, m in enumerate(conversation[:-1])  # the last is the output
              for item in message_items(m, f"{response_id.removeprefix('resp_')}_{i}")]
-    return JSONResponse(conversations.items_page(items, request, f"response {response_id!r}"))
+    return JSONResponse(cursor_page(items, request, f"response {response_id!r}"))
 
 
 async def delete_response(request: Request) -> Response:

@@ -19,6 +19,7 @@ from server.engine.async_engine import AsyncEngine
 from server.engine.engine import ConfigError, EngineConfig, at_least
 from server.engine.grammar import GrammarCompiler
 from storage.batches import BatchStore, add_usage
+from storage.chat_completions import ChatCompletionStore
 from storage.conversations import ConversationStore
 from storage.db import Database
 from storage.files import FileStore
@@ -94,6 +95,7 @@ class ServerState:
         self.batches = BatchStore(self.db, self.files)
         self.responses = ResponseStore(self.db)
         self.conversations = ConversationStore(self.db)
+        self.chat_completions = ChatCompletionStore(self.db)
         self.background: dict[str, Any] = {}  # background responses by id (background.py)
         self.worker: Wakeable | None = None  # the BatchWorker, once the model is loaded
         self.grammars: GrammarCompiler | None = None  # once the model is loaded

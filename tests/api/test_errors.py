@@ -183,7 +183,7 @@ def test_body_over_the_limit_is_413(http):
 
 def test_unknown_route_and_wrong_method(http):
     assert_error(http.get("/v1/nothing-here"), 404, None)
-    assert_error(http.get(CHAT), 405, None)
+    assert_error(http.put(CHAT), 405, None)  # (GET lists stored completions)
 
 
 def test_auth(server):
