@@ -111,12 +111,13 @@ class _Run:
         only_calls = self.calls_tools and self.req.tool_use.forced
         for i in range(self.req.params.n):
             yield event(i, {"role": "assistant", "content": None if only_calls else ""})
-        written = _Written(self.req.params.n)  # for storing (`store`)
+        written = _Written(self.req.params.n) if self.req.store else None  # to be stored
         async for piece in parts:
             chunk = piece.chunk
             self.count.add(chunk)
             lp = _logprobs(self.token_text, chunk)
-            written.add(chunk, lp)
+            if written is not None:
+                written.add(chunk, lp)
             if not self.calls_tools:
                 delta = {"content": chunk.text} if chunk.text or lp is not None else None
             else:
@@ -125,7 +126,7 @@ class _Run:
                 yield event(chunk.index, delta, logprobs=lp)
             if piece.finish_reason is not None:
                 yield event(chunk.index, {}, self._finish(piece.finish_reason))
-        if self.req.store:
+        if written is not None:
             await self._answered(written)
         if self.req.include_usage:
             yield self._object("chat.completion.chunk", []) | {"usage": self.count.usage()}
