@@ -98,7 +98,9 @@ def parse_responses_request(body: dict[str, Any], vocab_size: int) -> ResponsesR
                       "'store' true.")
     f.refuse("reasoning", (None,), "reasoning settings")
     f.refuse("prompt", (None,), "prompt templates")
-    f.refuse("max_tool_calls")
+    # calls to built-in tools, which localserve has none of: any bound holds (as on OpenAI
+    # with function tools only)
+    max_tool_calls = f.int("max_tool_calls", lo=1)
     f.refuse("moderation")
     f.refuse("context_management", (None,), "context management (compaction)")
     f.refuse("background_options", (None,), "background options")
@@ -112,6 +114,7 @@ def parse_responses_request(body: dict[str, Any], vocab_size: int) -> ResponsesR
             "metadata": metadata or {}, "parallel_tool_calls": parallel is not False,
             "previous_response_id": previous, "store": store, "background": background,
             "conversation": {"id": conversation} if conversation else None,
+            "max_tool_calls": max_tool_calls,
             "temperature": params.temperature, "top_p": params.top_p,
             "text": text_echo, "tool_choice": choice if choice is not None else "auto",
             "top_logprobs": top,

@@ -146,7 +146,8 @@ def test_json_schema_format_gives_valid_json(client):
 def test_required_function_call_and_its_output_sent_back(client):
     r = client.responses.create(model=MODEL, input="What is 2 + 3?", tools=[ADD],
                                 tool_choice="required", max_output_tokens=64,
-                                parallel_tool_calls=False, **GREEDY)
+                                parallel_tool_calls=False, max_tool_calls=1, **GREEDY)
+    assert r.max_tool_calls == 1  # built-in tools only: function calls are not counted
     calls = [i for i in r.output if i.type == "function_call"]
     assert len(calls) == 1 and calls[0].name == "add"
     assert calls[0].call_id.startswith("call_") and calls[0].id.startswith("fc_")
@@ -301,6 +302,7 @@ def test_bad_requests_name_the_field(client):
         (dict(input="hi", top_logprobs=21), "top_logprobs"),
         (dict(input="hi", prompt_cache_retention="forever"), "prompt_cache_retention"),
         (dict(input="hi", truncation="middle"), "truncation"),
+        (dict(input="hi", max_tool_calls=0), "max_tool_calls"),
         (dict(input="hi", context_management=[{"type": "compaction"}]), "context_management"),
     ]
     for kwargs, param in cases:
