@@ -39,10 +39,7 @@ def parse_messages_request(body: dict[str, Any], vocab_size: int, count_only: bo
     tool_use = _tools(f.raw("tools"), f.raw("tool_choice"))
     output_schema = _output_config(f.raw("output_config"))
     continue_final = _prefill(messages)
-    thinking = f.raw("thinking")
-    if thinking is not None and not (isinstance(thinking, dict)
-                                     and thinking.get("type") == "disabled"):
-        raise unsupported("thinking", "extended thinking")
+    budget = _thinking(f.raw("thinking"))
     _settings(f)
     if count_only:
         f.check_unknown(UNKNOWN)
@@ -52,6 +49,9 @@ def parse_messages_request(body: dict[str, Any], vocab_size: int, count_only: bo
     max_tokens = f.int("max_tokens", lo=1)
     if max_tokens is None:
         raise invalid("max_tokens", "max_tokens: Field required")
+    if budget is not None and budget >= max_tokens:
+        raise invalid("thinking.budget_tokens", "`max_tokens` must be greater than "
+                      "`thinking.budget_tokens`.")
     stream = f.bool("stream")
     params = SamplingParams(
         temperature=f.float("temperature", 1.0, 0.0, 1.0),
@@ -179,12 +179,40 @@ def _assistant_turn(blocks: list[Any], where: str) -> dict[str, Any]:
             calls.append({"id": b["id"], "type": "function", "function": {
                 "name": b["name"], "arguments": json.dumps(b.get("input", {}),
                                                            ensure_ascii=False)}})
+        elif kind == "thinking":  # dropped, as Anthropic drops earlier turns' thinking
+            _only(b, ("type", "thinking", "signature"), w)
+        elif kind == "redacted_thinking":
+            _only(b, ("type", "data"), w)
         else:
             raise unsupported(f"{w}.type", f"content blocks of type {kind!r}")
     message: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
     if calls:
         message["tool_calls"] = calls
     return message
+
+
+def _thinking(v: Any) -> int | None:
+    """`thinking`, checked as Anthropic checks it; the budget of "enabled" (None: none). The
+    models localserve serves do not think, so a reply never holds thinking blocks: "adaptive"
+    leaves it to the model (which does not), "enabled" bounds what it would think."""
+    if v is None:
+        return None
+    kinds = ("enabled", "disabled", "adaptive", "between_tools")
+    if not isinstance(v, dict) or v.get("type") not in kinds:
+        raise invalid("thinking.type", f"thinking.type: Input should be one of "
+                      f"{', '.join(map(repr, kinds))}")
+    _only(v, ("type", "budget_tokens", "display") if v["type"] == "enabled" else
+          ("type", "display") if v["type"] == "adaptive" else ("type",), "thinking")
+    if v.get("display") not in (None, "summarized", "omitted"):
+        raise invalid("thinking.display", "thinking.display: Input should be 'summarized' or "
+                      "'omitted'")
+    if v["type"] != "enabled":
+        return None
+    budget = v.get("budget_tokens")
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1024:
+        raise invalid("thinking.budget_tokens", "thinking.budget_tokens: Input should be an "
+                      "integer greater than or equal to 1024")
+    return budget
 
 
 def _document(b: dict[str, Any], where: str) -> str:

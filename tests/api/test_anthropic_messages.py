@@ -209,6 +209,44 @@ def test_request_settings_that_change_nothing_are_taken(anthropic_client):
         assert field in e.value.body["error"]["message"]
 
 
+def test_thinking_is_taken_and_earlier_thinking_blocks_are_dropped(anthropic_client):
+    """The model does not think: with thinking on (enabled with a budget, or adaptive) the
+    reply is the one without, and holds no thinking block; an earlier assistant turn's thinking
+    and redacted_thinking blocks are dropped from the prompt, as Anthropic drops them. A
+    budget Anthropic would refuse is refused by name."""
+    import anthropic
+
+    history = [{"role": "user", "content": "Hi"},
+               {"role": "assistant", "content": "Hello."},
+               {"role": "user", "content": "And then?"}]
+    kwargs = dict(model=MODEL, max_tokens=2000, extra_body=GREEDY)
+    plain = anthropic_client.messages.create(messages=history, **kwargs | {"max_tokens": 8})
+    for thinking in ({"type": "enabled", "budget_tokens": 1024},
+                     {"type": "adaptive", "display": "omitted"}, {"type": "disabled"}):
+        m = anthropic_client.messages.create(messages=history, thinking=thinking,
+                                             **kwargs | {"max_tokens": 1025})
+        assert [b.type for b in m.content] == ["text"], thinking
+        assert m.content[0].text.startswith(plain.content[0].text), thinking
+    with_blocks = history[:1] + [{"role": "assistant", "content": [
+        {"type": "thinking", "thinking": "They greet me.", "signature": "c2ln"},
+        {"type": "redacted_thinking", "data": "b3BhcXVl"},
+        {"type": "text", "text": "Hello."}]}] + history[2:]
+    again = anthropic_client.messages.create(messages=with_blocks, **kwargs | {"max_tokens": 8})
+    assert again.content == plain.content
+    counted = anthropic_client.messages.count_tokens(
+        model=MODEL, messages=with_blocks, thinking={"type": "enabled", "budget_tokens": 1024})
+    assert counted.input_tokens == plain.usage.input_tokens + plain.usage.cache_read_input_tokens
+    for bad, field in (({"type": "enabled", "budget_tokens": 1000}, "budget_tokens"),
+                       ({"type": "enabled"}, "budget_tokens"),
+                       ({"type": "enabled", "budget_tokens": 4000}, "budget_tokens"),
+                       ({"type": "sometimes"}, "thinking.type"),
+                       ({"type": "disabled", "budget_tokens": 1024}, "budget_tokens"),
+                       ({"type": "adaptive", "display": "full"}, "display")):
+        with pytest.raises(anthropic.BadRequestError) as e:
+            anthropic_client.messages.create(messages=history, thinking=bad, **kwargs)
+        assert field in e.value.body["error"]["message"], (bad, e.value.body)
+
+
 def test_a_forced_tool_is_used_with_input_following_its_schema(anthropic_client):
     for stream in (False, True):
         kwargs = dict(model=MODEL, max_tokens=60, tools=[WEATHER],
