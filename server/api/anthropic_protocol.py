@@ -179,10 +179,12 @@ def _assistant_turn(blocks: list[Any], where: str) -> dict[str, Any]:
             calls.append({"id": b["id"], "type": "function", "function": {
                 "name": b["name"], "arguments": json.dumps(b.get("input", {}),
                                                            ensure_ascii=False)}})
-        elif kind == "thinking":  # dropped, as Anthropic drops earlier turns' thinking
-            _only(b, ("type", "thinking", "signature"), w)
-        elif kind == "redacted_thinking":
-            _only(b, ("type", "data"), w)
+        elif kind in ("thinking", "redacted_thinking"):  # dropped, as Anthropic drops them
+            keys = ("thinking", "signature") if kind == "thinking" else ("data",)
+            _only(b, ("type", *keys), w)
+            for key in keys:
+                if not isinstance(b.get(key), str):
+                    raise invalid(f"{w}.{key}", f"{w}.{key}: Input should be a valid string")
         else:
             raise unsupported(f"{w}.type", f"content blocks of type {kind!r}")
     message: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}

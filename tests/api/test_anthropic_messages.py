@@ -245,6 +245,13 @@ def test_thinking_is_taken_and_earlier_thinking_blocks_are_dropped(anthropic_cli
         with pytest.raises(anthropic.BadRequestError) as e:
             anthropic_client.messages.create(messages=history, thinking=bad, **kwargs)
         assert field in e.value.body["error"]["message"], (bad, e.value.body)
+    for block, field in (({"type": "thinking", "thinking": "x"}, "signature"),
+                         ({"type": "redacted_thinking", "data": 1}, "data")):
+        with pytest.raises(anthropic.BadRequestError) as e:
+            anthropic_client.messages.create(messages=history[:1] + [
+                {"role": "assistant", "content": [block, {"type": "text", "text": "Hello."}]}
+            ] + history[2:], **kwargs | {"max_tokens": 8})
+        assert field in e.value.body["error"]["message"], (block, e.value.body)
 
 
 def test_a_forced_tool_is_used_with_input_following_its_schema(anthropic_client):
