@@ -19,7 +19,7 @@ from starlette.responses import JSONResponse, Response
 from server.api.auth import tenant
 from server.api.body import read_json
 from server.api.errors import APIError, invalid
-from server.api.files import cursor_page, delete_owned, page, update_metadata
+from server.api.files import cursor_page, delete_owned, owned, page, update_metadata
 from server.api.protocol import Fields, parse_metadata
 from server.api.responses_protocol import input_messages, message_items
 from server.api.state import ServerState
@@ -111,10 +111,8 @@ async def delete_item(request: Request) -> Response:
 async def stored(state: ServerState, owner: str, conversation_id: str, param: str | None = None
                  ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """(the conversation, its items oldest first), or 404 naming `param`."""
-    found = await state.db.run(state.conversations.get, owner, conversation_id)
-    if found is None:
-        raise not_found(conversation_id, param)
-    return found
+    return await owned(state, state.conversations.get, owner, conversation_id,
+                       lambda i: not_found(i, param))
 
 
 def not_found(conversation_id: str, param: str | None = None) -> APIError:

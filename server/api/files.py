@@ -147,14 +147,19 @@ async def _row(request: Request) -> dict[str, Any]:
 
 
 async def owned_row(request: Request, get, kind: str, id_param: str) -> dict[str, Any]:
-    """The caller's object named by the path parameter `id_param`, or 404 (also when it
-    belongs to another key: its existence is not revealed)."""
-    state: ServerState = request.app.state.server
-    object_id = request.path_params[id_param]
-    row = await state.db.run(get, tenant(request), object_id)
-    if row is None:
-        raise not_found(kind, object_id)
-    return row
+    """The caller's object named by the path parameter `id_param`, or 404."""
+    return await owned(request.app.state.server, get, tenant(request),
+                       request.path_params[id_param], lambda i: not_found(kind, i))
+
+
+async def owned(state: ServerState, get, owner: str, object_id: str,
+                missing: Callable[[str], APIError]) -> Any:
+    """What `get` finds of `owner`'s on the database thread, or `missing(object_id)` (also
+    when it belongs to another key: its existence is not revealed)."""
+    found = await state.db.run(get, owner, object_id)
+    if found is None:
+        raise missing(object_id)
+    return found
 
 
 async def update_metadata(request: Request, set_metadata, id_param: str,

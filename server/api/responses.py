@@ -24,7 +24,7 @@ from server.api import background, conversations
 from server.api.auth import tenant
 from server.api.body import read_json
 from server.api.errors import APIError, invalid
-from server.api.files import cursor_page
+from server.api.files import cursor_page, owned
 from server.api.responses_protocol import (
     ResponsesRequest,
     message_items,
@@ -118,10 +118,8 @@ async def delete_response(request: Request) -> Response:
 
 async def _stored(state: ServerState, owner: str, response_id: str, param: str | None
                   ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    stored = await state.db.run(state.responses.get, owner, response_id)
-    if stored is None:
-        raise _not_found(response_id, param)
-    return stored
+    return await owned(state, state.responses.get, owner, response_id,
+                       lambda i: _not_found(i, param))
 
 
 def _not_found(response_id: str, param: str | None) -> APIError:
@@ -144,7 +142,7 @@ async def _start(state: ServerState, req: ResponsesRequest, salt: str, priority:
         if not req.truncate or e.code != "context_length_exceeded" or len(conversation) < 2:
             raise
         turn = await start(await _fitting_tail(state, req, system, conversation))
-    run = _Run(state, req, turn, conversation, salt)  # stored whole: only this turn is cut
+    run = ResponseRun(state, req, turn, conversation, salt)  # stored whole: only this turn is cut
     if req.background:
         return await background.start(state, run, salt)
     return Generation(run.collect, run.stream)
@@ -299,7 +297,7 @@ def _copy(item: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-class _Run:
+class ResponseRun:
     def __init__(self, state: ServerState, req: ResponsesRequest, turn: Turn,
                  conversation: list[dict[str, Any]], owner: str) -> None:
         self.state, self.req, self.turn = state, req, turn

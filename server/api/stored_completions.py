@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse, Response
 
 from server.api.auth import tenant
 from server.api.errors import APIError
-from server.api.files import cursor_page, delete_owned, update_metadata
+from server.api.files import cursor_page, delete_owned, owned, update_metadata
 from server.api.state import ServerState
 
 
@@ -59,11 +59,8 @@ async def list_messages(request: Request) -> Response:
 
 async def _stored(request: Request) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     state: ServerState = request.app.state.server
-    completion_id = request.path_params["completion_id"]
-    found = await state.db.run(state.chat_completions.get, tenant(request), completion_id)
-    if found is None:
-        raise _not_found(completion_id)
-    return found
+    return await owned(state, state.chat_completions.get, tenant(request),
+                       request.path_params["completion_id"], _not_found)
 
 
 def _not_found(completion_id: str) -> APIError:
