@@ -149,7 +149,7 @@ def machine() -> str:
     benchmarks/avx2_proxy.sh, which hides them from /proc/cpuinfo and says what they were)."""
     name, family, has = cpu()
     yes = {True: "yes", False: "no"}
-    features = (f"AVX-512 BF16 {yes['avx512_bf16' in has]}, AMX {yes['amx_tile' in has]}")
+    features = f"AVX-512 BF16 {yes['avx512_bf16' in has]}, AMX {yes['amx_tile' in has]}"
     held = ", held to AVX2 (LOCALSERVE_CPU_KERNELS=avx2)" if held_to_avx2() else ""
     if "LOCALSERVE_AVX2_PROXY" in os.environ:
         features = os.environ["LOCALSERVE_AVX2_PROXY"]

@@ -87,6 +87,55 @@ def test_machine_kinds_tell_the_cpus_apart(monkeypatch):
     assert compare.kind_of(bf16 | {"amx_tile"}, "6", held_to_avx2=True) == "avx2"
 
 
+PROXY_CHECK = """
+import os, subprocess, torch
+from server.models.device import pick_dtype
+from server.quant import cpu_gemm, native
+flags = native.cpu_flags()
+print(sorted(f for f in flags if f.startswith(("avx512", "amx", "avx_vnni"))))
+print(cpu_gemm.kinds_for(flags, native.cpu_vendor())[0], pick_dtype(torch.device("cpu"), None, 16))
+macros = subprocess.run([os.environ["CC"], "-march=native", "-E", "-dM", "-x", "c", "/dev/null"],
+                        capture_output=True, text=True, check=True).stdout
+print("__AVX2__" in macros, "__AVX512F__" in macros, os.environ["LOCALSERVE_AVX2_PROXY"])
+"""
+
+
+def test_the_avx2_proxy_hides_the_wider_flags_from_localserve_and_the_compiler(tmp_path):
+    """benchmarks/avx2_proxy.sh: localserve and the C compiler see an AVX2-only CPU."""
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    if not re.search(r"^flags.*\bavx2\b", flags, re.M):
+        pytest.skip("not an x86 CPU with AVX2")
+    if subprocess.run(["sh", "-c", "command -v gcc && (unshare -m true || unshare -rm true)"],
+                      capture_output=True).returncode:
+        pytest.skip("no gcc, or no mount namespace for this user (unshare)")
+    (tmp_path / "tmp").mkdir()
+    env = dict(os.environ, HOME=str(tmp_path), TMPDIR=str(tmp_path / "tmp"))
+    proc = subprocess.run([str(ROOT / "benchmarks" / "avx2_proxy.sh"), sys.executable, "-c",
+                           PROXY_CHECK], capture_output=True, text=True, env=env, cwd=ROOT,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    hidden, picks, compiler = proc.stdout.splitlines()
+    assert hidden == "[]"
+    assert picks == "avx2 torch.float32"  # avx2_gemm.c first; fp32 compute, as on such a CPU
+    has_bf16 = "yes" if re.search(r"^flags.*\bavx512_bf16\b", flags, re.M) else "no"
+    assert compiler == f"True False AVX-512 BF16 {has_bf16}, AMX " + (
+        "yes" if re.search(r"^flags.*\bamx_tile\b", flags, re.M) else "no")
+    assert not list((tmp_path / "tmp").iterdir()), "the script leaves nothing behind"
+
+
+def test_the_machine_line_names_the_real_cpu_under_the_avx2_proxy(monkeypatch):
+    compare = load_compare(monkeypatch)
+    monkeypatch.setattr(compare, "cpu", lambda: ("Xeon", "6", {"avx2", "fma"}))
+    monkeypatch.delenv("LOCALSERVE_CPU_KERNELS", raising=False)
+    monkeypatch.delenv("LOCALSERVE_AVX2_PROXY", raising=False)
+    cores = os.cpu_count()
+    assert compare.machine() == f"Xeon (family 6), AVX-512 BF16 no, AMX no, {cores} cores"
+    monkeypatch.setenv("LOCALSERVE_AVX2_PROXY", "AVX-512 BF16 yes, AMX no")
+    assert compare.held_to_avx2()
+    assert compare.machine() == (f"Xeon (family 6), AVX-512 BF16 yes, AMX no, {cores} cores, "
+                                 "held to AVX2 (benchmarks/avx2_proxy.sh)")
+
+
 def test_a_table_replaces_its_own_kind_and_adds_a_new_kind_after_another(tmp_path, monkeypatch):
     compare = load_compare(monkeypatch)
     readme = tmp_path / "RESULTS.md"
