@@ -18,6 +18,13 @@
  *
  * int8 (the LM head): the same with int8 weights, x in int16 per group of 32 inputs.
  *
+ * Plain AVX2 (no VNNI path below) can take int8 activations for int4 layers of groups of 32
+ * instead (avx2_gemm_set_a8, which cpu_gemm.py sets there unless LOCALSERVE_ACTIVATIONS=int16):
+ * vpmaddubsw multiplies 32 nibbles by 32 int8 inputs at once into int16 sums, which a group of
+ * 32 cannot overflow, so a group needs half the vector instructions of vpmaddwd + vpaddd.
+ * 1.4-1.5x the int16 kernel's speed at 32-512 rows, 1.2x at one, for activations rounded to
+ * 1/254 of the group's largest (what it costs: docs/architecture.md). Rows stay independent.
+ *
  * Where the compiler targets AVX-512 VNNI (-march=native on such a CPU), the int32 sums come
  * from vpdpwssd on whole blocks instead (WIDE_ROWS, below): the same bits, 1.3-2.5x faster.
  * Where it targets AVX-VNNI but not AVX-512, from VEX vpdpwssd on the AVX2 path's halves
@@ -232,6 +239,22 @@ static void *quantize_rows(const float *x, int64_t m, int64_t k, int64_t group, 
     return block;
 }
 
+/* Rows [0, r)'s outputs of half `hb` (8hb..8hb+7 from yacc[i], 16+8hb.. from yacc[i] + 8) into
+ * y: fp32, or bf16 rounded as store_bf16 does. */
+static inline void store_half(float yacc[][16], void *y, int64_t n, const int r, const int hb,
+                              const int out_fp32) {
+    for (int i = 0; i < r; i++) {
+        __m256 ya = _mm256_load_ps(yacc[i]), yb = _mm256_load_ps(yacc[i] + 8);
+        if (out_fp32) {
+            _mm256_storeu_ps((float *)y + i * n + 8 * hb, ya);
+            _mm256_storeu_ps((float *)y + i * n + 16 + 8 * hb, yb);
+        } else {
+            store_bf16((uint16_t *)y + i * n + 8 * hb, ya);
+            store_bf16((uint16_t *)y + i * n + 16 + 8 * hb, yb);
+        }
+    }
+}
+
 /* Rows [0, r) against the half `hb` of one block (outputs 8hb..8hb+7 and 16+8hb..16+8hb+7).
  * Per pair of inputs the half's 16 bytes widen to 16 int16 lanes: lane 2i + h is byte 2i + h,
  * q[o, 2p + h] in its low nibble and q[o + 16, 2p + h] in its high one (o = 8hb + i), so the
@@ -265,16 +288,7 @@ static inline void half_block(const int16_t *xq, int64_t k, const float *xa,
                                                     sb16, xs, zb));
         }
     }
-    for (int i = 0; i < r; i++) {
-        __m256 ya = _mm256_load_ps(yacc[i]), yb = _mm256_load_ps(yacc[i] + 8);
-        if (out_fp32) {
-            _mm256_storeu_ps((float *)y + i * n + 8 * hb, ya);
-            _mm256_storeu_ps((float *)y + i * n + 16 + 8 * hb, yb);
-        } else {
-            store_bf16((uint16_t *)y + i * n + 8 * hb, ya);
-            store_bf16((uint16_t *)y + i * n + 16 + 8 * hb, yb);
-        }
-    }
+    store_half(yacc, y, n, r, hb, out_fp32);
 }
 
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -451,9 +465,137 @@ static inline __attribute__((always_inline)) void pass4(
 }
 #endif
 
+#if !defined(WIDE_ROWS) && !defined(VEX_VNNI)
+#define A8_PATH 1
+static int a8_mode; /* int8 activations for int4 layers of groups of 32 (avx2_gemm_set_a8) */
+
+/* acc + vpmaddubsw(w, x) in acc's own register, int16 lanes (as madd_acc). */
+static inline __m256i maddubs_acc(__m256i acc, __m256i w, __m256i x) {
+    __m256i t;
+    __asm__("vpmaddubsw %3, %2, %1\n\tvpaddw %1, %0, %0" : "+x"(acc), "=&x"(t) : "x"(w), "x"(x));
+    return acc;
+}
+
+/* Each row's inputs as int8 per group of 32: x ~ a * X with X = round(x * 127 / max |x|), and
+ * a * sum(X) per (row, group) for the zeros: the rounded inputs' sum, as the weights meet them
+ * (x's exact sum against q's 0..15 offset gave 4x the KL). A row's numbers are its own. */
+static void quantize8(const float *x, int64_t m, int64_t k, int8_t *xq, float *xa,
+                      float *xsum) {
+    const int64_t groups = k / 32;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    #pragma omp parallel for schedule(static) if (m * k >= (1 << 14))
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t g = 0; g < groups; g++) {
+            const float *xg = x + i * k + g * 32;
+            __m256 pv = _mm256_setzero_ps();
+            for (int j = 0; j < 32; j += 8)
+                pv = _mm256_max_ps(pv, _mm256_andnot_ps(sign, _mm256_loadu_ps(xg + j)));
+            float pl[8], peak = 0.0f;
+            _mm256_storeu_ps(pl, pv);
+            for (int l = 0; l < 8; l++) peak = pl[l] > peak ? pl[l] : peak;
+            const __m256 iv = _mm256_set1_ps(peak > 0.0f ? 127.0f / peak : 0.0f);
+            __m256i sv = _mm256_setzero_si256();
+            for (int j = 0; j < 32; j += 8) { /* round to nearest even, |X| <= 127 */
+                __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xg + j), iv));
+                sv = _mm256_add_epi32(sv, q);
+                __m128i h = _mm_packs_epi32(_mm256_castsi256_si128(q),
+                                            _mm256_extracti128_si256(q, 1));
+                _mm_storel_epi64((__m128i *)(xq + i * k + g * 32 + j), _mm_packs_epi16(h, h));
+            }
+            int32_t sl[8], sum = 0;
+            _mm256_storeu_si256((__m256i *)sl, sv);
+            for (int l = 0; l < 8; l++) sum += sl[l];
+            xa[i * groups + g] = peak / 127.0f;
+            xsum[i * groups + g] = xa[i * groups + g] * (float)sum;
+        }
+}
+
+/* half_block with int8 inputs, groups of 32. Two pairs' 16 bytes interleave by 16 bits into 8
+ * 32-bit lanes, lane i output 8hb + i's four inputs (low nibbles) and output 16 + 8hb + i's
+ * (high ones); vpmaddubsw takes them against the row's four int8 inputs (broadcast) into two
+ * int16 sums a lane, at most 8 x 2 x 15 x 127 over the group, and vpmaddwd by ones makes them
+ * that output's int32 sum; then half_block's fp32 steps, q's offset with the rounded sum. */
+static inline void half_block_a8(const int8_t *xq, int64_t k, const float *xa,
+                                 const float *xsum, int64_t groups, const uint8_t *blk,
+                                 void *y, int64_t n, const int r, const int hb,
+                                 const int out_fp32, int prefetch) {
+    float yacc[ROWS][16] __attribute__((aligned(32))) = {{0}};
+    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *head = blk + g * group_bytes(32), *pk = head + GROUP_HEAD + hb * 16;
+        if (prefetch) ahead(head, group_bytes(32));
+        __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0;
+        __m256i b0 = a0, b1 = a0, b2 = a0, b3 = a0, b4 = a0, b5 = a0;
+        const int8_t *x0 = xq + g * 32;
+        for (int64_t c = 0; c < 8; c++) { /* inputs 4c .. 4c + 3 */
+            const __m128i p0 = _mm_loadu_si128((const __m128i *)(pk + 2 * c * 32));
+            const __m128i p1 = _mm_loadu_si128((const __m128i *)(pk + (2 * c + 1) * 32));
+            const __m256i v = _mm256_set_m128i(_mm_unpackhi_epi16(p0, p1),
+                                               _mm_unpacklo_epi16(p0, p1));
+            const __m256i w0 = _mm256_and_si256(v, low);
+            const __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+#define ROW8(i)                                                           \
+            if (r > i) {                                                  \
+                int32_t four;                                             \
+                memcpy(&four, x0 + i * k + 4 * c, sizeof four);           \
+                const __m256i xb = _mm256_set1_epi32(four);               \
+                a##i = maddubs_acc(a##i, w0, xb);                         \
+                b##i = maddubs_acc(b##i, w1, xb);                         \
+            }
+            ROW8(0) ROW8(1) ROW8(2) ROW8(3) ROW8(4) ROW8(5)
+#undef ROW8
+        }
+        const __m256i as[ROWS] = {a0, a1, a2, a3, a4, a5}, bs[ROWS] = {b0, b1, b2, b3, b4, b5};
+        const __m256 sa = half8(head + hb * 16), sb = half8(head + 32 + hb * 16);
+        const __m256 za = ZERO_OFFSET(_mm256, half8(head + 64 + hb * 16), sa);
+        const __m256 zb = ZERO_OFFSET(_mm256, half8(head + 96 + hb * 16), sb);
+        for (int i = 0; i < r; i++) {
+            const __m256 xs = _mm256_set1_ps(xsum[i * groups + g]);
+            const __m256 a = _mm256_set1_ps(xa[i * groups + g]);
+            _mm256_store_ps(yacc[i], GROUP_STEP(_mm256, _mm256_load_ps(yacc[i]),
+                                                _mm256_madd_epi16(as[i], ones), a, sa, xs, za));
+            _mm256_store_ps(yacc[i] + 8, GROUP_STEP(_mm256, _mm256_load_ps(yacc[i] + 8),
+                                                    _mm256_madd_epi16(bs[i], ones), a, sb, xs,
+                                                    zb));
+        }
+    }
+    store_half(yacc, y, n, r, hb, out_fp32);
+}
+
+/* gemm4 with int8 inputs (a8_mode, groups of 32). */
+static int gemm4_a8(const float *xf, const uint8_t *packed, void *y, int64_t m, int64_t n,
+                    int64_t k, int out_fp32) {
+    const int64_t groups = k / 32, blocks = n / 32, cells = m * groups;
+    char *mem = malloc((size_t)(2 * cells) * sizeof(float) + (size_t)(m * k));
+    if (!mem) return 1;
+    float *xa = (float *)mem, *xsum = xa + cells;
+    int8_t *xq = (int8_t *)(xsum + cells);
+    quantize8(xf, m, k, xq, xa, xsum);
+    #pragma omp parallel for schedule(static) if (blocks >= 4)
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *blk = packed + b * groups * group_bytes(32);
+        for (int64_t i = 0; i < m; i += ROWS) {
+            int r = m - i < ROWS ? (int)(m - i) : ROWS;
+            char *yi = (char *)y + (i * n + b * 32) * (out_fp32 ? 4 : 2);
+            for (int hb = 0; hb < 2; hb++) {
+#define A8(R) half_block_a8(xq + i * k, k, xa + i * groups, xsum + i * groups, groups, blk, yi, \
+                            n, R, hb, out_fp32, i == 0 && !hb)
+                ROWS_CASES(A8)
+#undef A8
+            }
+        }
+    }
+    free(mem);
+    return 0;
+}
+#endif
+
 /* xf: fp32 [m, k]; y: [m, n], bf16 or (out_fp32) fp32. Returns nonzero if out of memory. */
 static int gemm4(const float *xf, const uint8_t *packed, void *y, int64_t m, int64_t n,
                  int64_t k, int64_t group, int out_fp32) {
+#ifdef A8_PATH
+    if (a8_mode && group == 32) return gemm4_a8(xf, packed, y, m, n, k, out_fp32);
+#endif
     int64_t groups = k / group, blocks = n / 32;
     rows16 x16;
     void *mem = quantize_rows(xf, m, k, group, &x16);
@@ -652,6 +794,17 @@ int int8_gemm_f32(const void *x, const void *packed, const void *scale, void *y,
 
 int avx2_gemm_available(void) { return 0; }
 
+#endif
+
+/* int8 activations for int4 layers of groups of 32 on (1) or off (0), where this build has the
+ * path (plain AVX2); returns the mode now in force (always 0 elsewhere). Set once, at load;
+ * avx2_gemm_a8 says which. */
+#ifdef A8_PATH
+int avx2_gemm_set_a8(int on) { return a8_mode = on != 0; }
+int avx2_gemm_a8(void) { return a8_mode; }
+#else
+int avx2_gemm_set_a8(int on) { return 0; }
+int avx2_gemm_a8(void) { return 0; }
 #endif
 
 /* 1 where the AVX-512 VNNI path is compiled in (said at load), else 0. */

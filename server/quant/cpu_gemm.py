@@ -216,12 +216,18 @@ def checked():
 
 def source_in_use() -> str | None:
     """The file of the library checked() gives (this CPU's kind or the next that built), and
-    avx2_gemm.c's VNNI path where one is built in."""
+    avx2_gemm.c's variant (`variant`)."""
     lib = checked()
     name = next((SOURCES[k].name for k, built in _by_kind.items()
                  if lib is not None and built is lib), None)
-    path = vnni_path(lib)
+    path = variant(lib)
     return f"{name} ({path})" if name and path else name
+
+
+def variant(lib) -> str | None:
+    """avx2_gemm.c's VNNI path built into `lib` (vnni_path), or "int8 activations" where it
+    takes them (plain AVX2), else None."""
+    return vnni_path(lib) or ("int8 activations" if int8_activations(lib) else None)
 
 
 def wide(lib) -> bool:
@@ -258,7 +264,27 @@ def _open(source: Path):
     lib = native.library(source)
     if lib is None or not getattr(lib, f"{source.stem}_available")():
         return None
-    return typed(lib)
+    lib = typed(lib)
+    if hasattr(lib, "avx2_gemm_set_a8"):  # before the check, which then checks what runs
+        lib.avx2_gemm_set_a8(activations_asked() == "int8")
+    return lib
+
+
+def activations_asked() -> str:
+    """int4 layers' activations on plain AVX2 (avx2_gemm.c without a VNNI path): "int8" per
+    group of 32 (the default: 1.4-1.5x the kernel's speed from 32 rows, for twice the KL from
+    the bf16 model, docs/architecture.md), or "int16" (LOCALSERVE_ACTIVATIONS=int16, as every
+    other path computes them)."""
+    asked = os.environ.get("LOCALSERVE_ACTIVATIONS", "int8")
+    if asked not in ("int8", "int16"):
+        log.warning("LOCALSERVE_ACTIVATIONS=%r ignored: int8 or int16", asked)
+        return "int8"
+    return asked
+
+
+def int8_activations(lib) -> bool:
+    """Whether `lib` (avx2_gemm.c) takes int4 layers' activations (groups of 32) as int8."""
+    return hasattr(lib, "avx2_gemm_a8") and lib.avx2_gemm_a8() == 1
 
 
 def typed(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -267,6 +293,9 @@ def typed(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.int8_gemm.argtypes = [_P] * 4 + [_I] * 3 + [ctypes.c_int]
     lib.int4_gemm.argtypes = [_P] * 4 + [_I] * 4
     lib.int4_unpack_q4x32.argtypes = [_P] * 2 + [_I] * 5
+    if hasattr(lib, "avx2_gemm_set_a8"):
+        lib.avx2_gemm_set_a8.restype = lib.avx2_gemm_a8.restype = ctypes.c_int
+        lib.avx2_gemm_set_a8.argtypes, lib.avx2_gemm_a8.argtypes = [ctypes.c_int], []
     if hasattr(lib, "int4_gemm_f32"):  # avx2_gemm.c
         lib.int4_gemm_f32.restype = lib.int8_gemm_f32.restype = ctypes.c_int
         lib.int4_gemm_f32.argtypes = [_P] * 4 + [_I] * 4

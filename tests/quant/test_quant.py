@@ -359,6 +359,83 @@ def test_the_avx2_kernels_build_for_haswell_and_pass_their_check(tmp_path):
         assert_same_bits(lib, native)
 
 
+def int8_activation_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                              zero: torch.Tensor) -> torch.Tensor:
+    """What avx2_gemm.c computes with int8 activations (groups of 32), in float64: each group's
+    inputs rounded to X = round(x * 127 / max |x|) (in fp32, halves to even), the integer sums
+    of the nibbles 0..15 times X, then per group a * scale * sum + (zero - 8 * scale) * a *
+    sum(X)."""
+    m, k = x.shape
+    g = x.view(m, k // 32, 32)
+    peak = g.abs().amax(-1, keepdim=True)
+    inv = torch.where(peak > 0, 127.0 / peak, torch.zeros_like(peak))  # fp32, as the C
+    big_x = torch.round(g * inv).clamp(-127, 127).double()  # [m, G, 32]
+    a = (peak / 127.0).double()  # [m, G, 1]
+    sums = torch.einsum("mgj,ngj->mng", big_x, q.view(-1, k // 32, 32).double())
+    s, z = scale.half().double(), zero.half().double()  # [n, G], fp16 in the layout
+    xs = (a * big_x.sum(-1, keepdim=True)).squeeze(-1)  # [m, G]
+    return (sums * a.squeeze(-1)[:, None, :] * s[None] + xs[:, None, :] * (z - 8 * s)[None]).sum(-1)
+
+
+@pytest.mark.skipif("avx2" not in KERNEL_KINDS, reason="needs AVX2, FMA and F16C")
+def test_plain_avx2_takes_int8_activations_for_int4_groups_of_32(tmp_path):
+    """avx2_gemm.c built for Haswell, with int8 activations on (as cpu_gemm sets it on a plain
+    AVX2 CPU): int4 layers of groups of 32 compute what the int8 scheme says (the reference
+    above, to fp32 rounding), ~0.5% from the fp32 product (over 10x int16's error), each row's
+    numbers its own; other groups keep int16. The VNNI builds have no such path."""
+    from server.quant import cpu_gemm
+
+    lib, _, _ = build_avx2_gemm(tmp_path, "-march=haswell")
+    torch.manual_seed(8)
+    w = torch.randn(96, 192) * 0.05
+    w[:, 7] *= 20  # an outlier input channel, as real layers have
+    q, scale, zero = quantize_int4(w, 32)
+    layout = cpu_gemm.pack_int4(q, scale, zero, 32)
+    x = torch.randn(26, 192)
+    x[:, 40] *= 30  # and an outlier activation
+    assert lib.avx2_gemm_a8() == 0  # off until set: the tests' other builds stay int16
+    exact = cpu_gemm.gemm(x, layout, 32, lib)
+    assert lib.avx2_gemm_set_a8(1) == 1 and cpu_gemm.int8_activations(lib)
+    y = cpu_gemm.gemm(x, layout, 32, lib)
+    want = int8_activation_reference(x, q, scale, zero)
+    assert torch.allclose(y.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max())
+    fp32 = x.double() @ dequantize_int4(q, scale.half(), zero.half(), 32).double().t()
+    err = ((y.double() - fp32).norm() / fp32.norm()).item()
+    exact_err = ((exact.double() - fp32).norm() / fp32.norm()).item()
+    assert 10 * exact_err < err < 2e-2, (err, exact_err)
+    for m in (1, 5, 6, 7, 13, 26):
+        rows = cpu_gemm.gemm(x[:m], layout, 32, lib)
+        assert all(torch.equal(rows[i:i + 1], cpu_gemm.gemm(x[i:i + 1], layout, 32, lib))
+                   for i in range(m)), m
+    bf16 = cpu_gemm.gemm(x.bfloat16(), layout, 32, lib)
+    assert torch.allclose(bf16.double(), int8_activation_reference(x.bfloat16().float(), q,
+                                                                   scale, zero),
+                          rtol=1e-2, atol=1e-2 * want.abs().max())
+    q64, s64, z64 = quantize_int4(w, 64)
+    layout64 = cpu_gemm.pack_int4(q64, s64, z64, 64)
+    on = cpu_gemm.gemm(x, layout64, 64, lib)
+    lib.avx2_gemm_set_a8(0)
+    assert torch.equal(on, cpu_gemm.gemm(x, layout64, 64, lib))  # groups of 64 keep int16
+    vex, _, _ = build_avx2_gemm(tmp_path, "-march=haswell", "-mavxvnni")
+    assert vex.avx2_gemm_set_a8(1) == 0 and not cpu_gemm.int8_activations(vex)
+
+
+def test_int8_activations_are_the_plain_avx2_default_unless_asked_otherwise(monkeypatch, caplog):
+    from server.quant import cpu_gemm
+
+    monkeypatch.delenv("LOCALSERVE_ACTIVATIONS", raising=False)
+    assert cpu_gemm.activations_asked() == "int8"
+    monkeypatch.setenv("LOCALSERVE_ACTIVATIONS", "int16")
+    assert cpu_gemm.activations_asked() == "int16"
+    monkeypatch.setenv("LOCALSERVE_ACTIVATIONS", "fp8")
+    assert cpu_gemm.activations_asked() == "int8"
+    assert "LOCALSERVE_ACTIVATIONS='fp8' ignored" in caplog.text
+    monkeypatch.delenv("LOCALSERVE_ACTIVATIONS")
+    native = cpu_gemm.of_kind("avx2") if "avx2" in KERNEL_KINDS else None
+    if native is not None:  # the server's own library: int8 only where there is no VNNI path
+        assert cpu_gemm.int8_activations(native) == (cpu_gemm.vnni_path(native) is None)
+
+
 @pytest.mark.skipif("avx2" not in KERNEL_KINDS, reason="needs AVX2, FMA and F16C")
 def test_the_avx_vnni_path_gives_the_haswell_bits(tmp_path):
     """Built for an AVX2 CPU with AVX-VNNI (Alder Lake on, Xeon 6 E-cores), the AVX2 path's
@@ -532,7 +609,7 @@ def test_the_kernels_a_model_runs_are_named(monkeypatch):
     prepare_quantized(built)
     if cpu_gemm.checked() is not None:  # this CPU's kind, or the next one down that built
         said = cpu_kernels(built)
-        path = cpu_gemm.vnni_path(cpu_gemm.checked())
+        path = cpu_gemm.variant(cpu_gemm.checked())
         vnni = f" ({path})" if path else ""
         assert said in {f"{p.name}{vnni} for all 2 int4/int8 layers"
                         for p in cpu_gemm.SOURCES.values()}
@@ -549,8 +626,9 @@ def test_fp32_activations_go_through_unrounded_where_the_kernels_take_them(kerne
     rounded to bf16: int4 and int8 results (an int8 layer and an int8 LM head) within their
     int16 activations' error (2^-16 of each
     group's largest; bf16's is 2^-9 of every value), more than ten times closer to the
-    reference than with x rounded to bf16, rows independent; avx512_gemm.c takes bf16 only (the
-    layer rounds x, as PyTorch's kernels do)."""
+    reference than with x rounded to bf16, rows independent (on plain AVX2 int4 layers take them
+    as int8 instead, as their scheme says); avx512_gemm.c takes bf16 only (the layer rounds x,
+    as PyTorch's kernels do)."""
     from server.quant import cpu_gemm
 
     assert cpu_gemm.takes_fp32() == (kernel_kind == "avx2")
@@ -566,9 +644,15 @@ def test_fp32_activations_go_through_unrounded_where_the_kernels_take_them(kerne
     head.prepare(use_kernel=True)
     tolerance = 2e-4 if kernel_kind == "avx2" else 1e-2  # int16 x, or bf16 in and out
     w8 = dequantize_int8(q8, s8)
+    a8 = cpu_gemm.int8_activations(cpu_gemm.checked())  # plain AVX2: int4 layers take int8 x
     for fn, w in ((layer, dequantize_int4(q, scale, zero, 32)), (head.logits, w8), (head, w8)):
         got = fn(x)
         assert got.dtype == torch.float32
+        if a8 and fn is layer:  # the int8 scheme, in fp32 (its own test above)
+            want = int8_activation_reference(x, q, scale, zero)
+            assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max())
+            assert torch.equal(torch.cat([fn(x[i:i + 1]) for i in range(9)]), got)
+            continue
         want = x @ w.t()
         assert (got - want).abs().max() < tolerance * want.abs().max()
         rounded = x.bfloat16().float() @ w.t()
