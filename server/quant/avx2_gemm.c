@@ -19,7 +19,7 @@
  * int8 (the LM head): the same with int8 weights, x in int16 per group of 32 inputs.
  *
  * Plain AVX2 (no VNNI path below) can take int8 activations for int4 layers of groups of 32
- * instead (avx2_gemm_set_a8, which cpu_gemm.py sets there unless LOCALSERVE_ACTIVATIONS=int16):
+ * instead (avx2_gemm_set_a8, which cpu_gemm.py sets there with LOCALSERVE_ACTIVATIONS=int8):
  * vpmaddubsw multiplies 32 nibbles by 32 int8 inputs at once into int16 sums, which a group of
  * 32 cannot overflow, so a group needs half the vector instructions of vpmaddwd + vpaddd.
  * 1.4-1.5x the int16 kernel's speed at 32-512 rows, 1.2x at one, for activations rounded to

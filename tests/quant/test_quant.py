@@ -380,9 +380,10 @@ def int8_activation_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Ten
 @pytest.mark.skipif("avx2" not in KERNEL_KINDS, reason="needs AVX2, FMA and F16C")
 def test_plain_avx2_takes_int8_activations_for_int4_groups_of_32(tmp_path):
     """avx2_gemm.c built for Haswell, with int8 activations on (as cpu_gemm sets it on a plain
-    AVX2 CPU): int4 layers of groups of 32 compute what the int8 scheme says (the reference
-    above, to fp32 rounding), ~0.5% from the fp32 product (over 10x int16's error), each row's
-    numbers its own; other groups keep int16. The VNNI builds have no such path."""
+    AVX2 CPU with LOCALSERVE_ACTIVATIONS=int8): int4 layers of groups of 32 compute what the
+    int8 scheme says (the reference above, to fp32 rounding), ~0.5% from the fp32 product (over
+    10x int16's error), each row's numbers its own; other groups keep int16. The VNNI builds
+    have no such path."""
     from server.quant import cpu_gemm
 
     lib, _, _ = build_avx2_gemm(tmp_path, "-march=haswell")
@@ -420,20 +421,33 @@ def test_plain_avx2_takes_int8_activations_for_int4_groups_of_32(tmp_path):
     assert vex.avx2_gemm_set_a8(1) == 0 and not cpu_gemm.int8_activations(vex)
 
 
-def test_int8_activations_are_the_plain_avx2_default_unless_asked_otherwise(monkeypatch, caplog):
+def test_int8_activations_are_taken_only_when_asked(monkeypatch, caplog):
     from server.quant import cpu_gemm
 
     monkeypatch.delenv("LOCALSERVE_ACTIVATIONS", raising=False)
-    assert cpu_gemm.activations_asked() == "int8"
-    monkeypatch.setenv("LOCALSERVE_ACTIVATIONS", "int16")
     assert cpu_gemm.activations_asked() == "int16"
-    monkeypatch.setenv("LOCALSERVE_ACTIVATIONS", "fp8")
+    monkeypatch.setenv("LOCALSERVE_ACTIVATIONS", "int8")
     assert cpu_gemm.activations_asked() == "int8"
+    monkeypatch.setenv("LOCALSERVE_ACTIVATIONS", "fp8")
+    assert cpu_gemm.activations_asked() == "int16"
     assert "LOCALSERVE_ACTIVATIONS='fp8' ignored" in caplog.text
-    monkeypatch.delenv("LOCALSERVE_ACTIVATIONS")
-    native = cpu_gemm.of_kind("avx2") if "avx2" in KERNEL_KINDS else None
-    if native is not None:  # the server's own library: int8 only where there is no VNNI path
-        assert cpu_gemm.int8_activations(native) == (cpu_gemm.vnni_path(native) is None)
+
+
+@pytest.mark.skipif("avx2" not in KERNEL_KINDS, reason="needs AVX2, FMA and F16C")
+def test_asking_for_int8_activations_reaches_the_plain_avx2_library(tmp_path):
+    """LOCALSERVE_ACTIVATIONS=int8 in a fresh process: the library the layers use takes them
+    where it is plain AVX2 (the name says so), and not where a VNNI path is built in."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, LOCALSERVE_ACTIVATIONS="int8")
+    proc = subprocess.run([sys.executable, "-c", (
+        "from server.quant import cpu_gemm; lib = cpu_gemm.of_kind('avx2'); "
+        "print(cpu_gemm.int8_activations(lib), cpu_gemm.vnni_path(lib))")],
+        capture_output=True, text=True, env=env, cwd=Path(__file__).parents[2], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    int8, _, vnni = proc.stdout.strip().partition(" ")
+    assert int8 == str(vnni == "None"), proc.stdout
 
 
 @pytest.mark.skipif("avx2" not in KERNEL_KINDS, reason="needs AVX2, FMA and F16C")
