@@ -239,6 +239,16 @@ static void *quantize_rows(const float *x, int64_t m, int64_t k, int64_t group, 
     return block;
 }
 
+/* A group's fp16 scales of half `hb` (outputs 8hb.. in sa, 16+8hb.. in sb) and its zeros as
+ * ZERO_OFFSET makes them (za, zb), from the group's head. */
+static inline void half_scales(const uint8_t *head, const int hb, __m256 *sa, __m256 *sb,
+                               __m256 *za, __m256 *zb) {
+    *sa = half8(head + hb * 16);
+    *sb = half8(head + 32 + hb * 16);
+    *za = ZERO_OFFSET(_mm256, half8(head + 64 + hb * 16), *sa);
+    *zb = ZERO_OFFSET(_mm256, half8(head + 96 + hb * 16), *sb);
+}
+
 /* Rows [0, r)'s outputs of half `hb` (8hb..8hb+7 from yacc[i], 16+8hb.. from yacc[i] + 8) into
  * y: fp32, or bf16 rounded as store_bf16 does. */
 static inline void store_half(float yacc[][16], void *y, int64_t n, const int r, const int hb,
@@ -271,9 +281,8 @@ static inline void half_block(const int16_t *xq, int64_t k, const float *xa,
         if (prefetch) ahead(head, group_bytes(group));
         __m256i aa[ROWS], ab[ROWS];
         pair_sums(xq + g * group, k, group / 2, pk, 0, r, aa, ab);
-        const __m256 sa = half8(head + hb * 16), sb = half8(head + 32 + hb * 16);
-        const __m256 za = ZERO_OFFSET(_mm256, half8(head + 64 + hb * 16), sa);
-        const __m256 zb = ZERO_OFFSET(_mm256, half8(head + 96 + hb * 16), sb);
+        __m256 sa, sb, za, zb;
+        half_scales(head, hb, &sa, &sb, &za, &zb);
         /* ab holds 16 x the sums (half_pair): below 2^31 at groups of 256 (16 x 15 x 32767 x
          * 256), and in fp32 16 x a sum rounds as the sum does. (16 * sum) * (a * (scale / 16))
          * is then the same real product as sum * (a * scale) (powers of 2 scale exactly) and
@@ -546,9 +555,8 @@ static inline void half_block_a8(const int8_t *xq, int64_t k, const float *xa,
 #undef ROW8
         }
         const __m256i as[ROWS] = {a0, a1, a2, a3, a4, a5}, bs[ROWS] = {b0, b1, b2, b3, b4, b5};
-        const __m256 sa = half8(head + hb * 16), sb = half8(head + 32 + hb * 16);
-        const __m256 za = ZERO_OFFSET(_mm256, half8(head + 64 + hb * 16), sa);
-        const __m256 zb = ZERO_OFFSET(_mm256, half8(head + 96 + hb * 16), sb);
+        __m256 sa, sb, za, zb;
+        half_scales(head, hb, &sa, &sb, &za, &zb);
         for (int i = 0; i < r; i++) {
             const __m256 xs = _mm256_set1_ps(xsum[i * groups + g]);
             const __m256 a = _mm256_set1_ps(xa[i * groups + g]);
