@@ -103,3 +103,20 @@ def our_config(model):
 
     return ModelConfig.from_hf(model.config.to_dict() | {"architectures": [
         type(model).__name__]})
+
+
+def database_at_version(path: Path, version: int, *statements: str):
+    """A localserve database at `path` taken back to schema `version` (the statements undo what
+    later versions added), then opened again: what an older release's file becomes at startup.
+    Close it."""
+    from storage.db import Database
+
+    db = Database(path)
+
+    def downgrade() -> None:
+        for statement in statements:
+            db.db.execute(statement)
+        db.db.execute(f"pragma user_version={version}")
+    db.call(downgrade)
+    db.close()
+    return Database(path)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from storage.conversations import ConversationStore
 from storage.db import Database
+from tests.helpers import database_at_version
 
 
 def item(n: int) -> dict:
@@ -40,14 +41,7 @@ def test_items_keep_their_order_per_tenant(tmp_path):
 
 
 def test_a_version_3_database_gains_the_conversations_table(tmp_path):
-    db = Database(tmp_path / "localserve.db")
-
-    def downgrade():
-        db.db.execute("drop table conversations")
-        db.db.execute("pragma user_version=3")
-    db.call(downgrade)
-    db.close()
-    db = Database(tmp_path / "localserve.db")
+    db = database_at_version(tmp_path / "localserve.db", 3, "drop table conversations")
     try:
         store = ConversationStore(db)
         db.call(store.create, "alice", "conv_1", {}, [])

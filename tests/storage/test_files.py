@@ -6,6 +6,7 @@ import pytest
 
 from storage.db import Database, DatabaseBusyError, DatabaseCorruptError
 from storage.files import FileStore
+from tests.helpers import database_at_version
 
 
 @pytest.fixture
@@ -92,14 +93,8 @@ def test_expired_files_are_gone_then_swept(store):
 
 
 def test_a_version_1_database_gains_the_expiry_column(tmp_path):
-    db = Database(tmp_path / "localserve.db")
-
-    def downgrade():
-        db.db.execute("alter table batches drop column output_expires_after")
-        db.db.execute("pragma user_version=1")
-    db.call(downgrade)
-    db.close()
-    db = Database(tmp_path / "localserve.db")
+    db = database_at_version(tmp_path / "localserve.db", 1,
+                             "alter table batches drop column output_expires_after")
     try:
         assert "output_expires_after" in db.call(lambda: db.db["batches"].columns_dict)
     finally:
