@@ -16,16 +16,23 @@
 # FMA, F16C, BMI2 on, every AVX-512 and AVX-VNNI flag off.
 set -eu
 [ $# -gt 0 ] || { echo "usage: $0 COMMAND [ARGS...]" >&2; exit 2; }
-yes_no() { if grep -qw "$1" /proc/cpuinfo; then echo yes; else echo no; fi; }
+fail() { echo "avx2_proxy.sh: $1" >&2; exit 1; }
+cc=${CC:-gcc}
+command -v "$cc" > /dev/null || fail "no C compiler ($cc) to build the kernels for Haswell"
+has() { grep -q "^flags.*\\b$1\\b" /proc/cpuinfo 2> /dev/null; }
+has avx2 && has fma || fail "this CPU has no AVX2 + FMA to stand in for an AVX2-only one"
+if [ "$(id -u)" -eq 0 ]; then ns=-m; else ns=-rm; fi
+unshare $ns true 2> /dev/null ||
+    fail "no mount namespace here (unshare $ns): run as root or allow user namespaces"
+yes_no() { if has "$1"; then echo yes; else echo no; fi; }
 # what the machine has, for benchmarks' machine line (compare_llama_server.py)
 export LOCALSERVE_AVX2_PROXY="AVX-512 BF16 $(yes_no avx512_bf16), AMX $(yes_no amx_tile)"
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
 sed -E '/^flags/ s/ (avx512[a-z0-9_]*|amx[a-z0-9_]*|avx_vnni[a-z0-9_]*)\b//g' /proc/cpuinfo \
     > "$dir/cpuinfo"
-printf '#!/bin/sh\nexec %s "$@" -march=haswell -mtune=haswell\n' "${CC:-gcc}" > "$dir/cc"
+printf '#!/bin/sh\nexec %s "$@" -march=haswell -mtune=haswell\n' "$cc" > "$dir/cc"
 chmod +x "$dir/cc"
 export CC="$dir/cc" LOCALSERVE_NATIVE_CACHE="${LOCALSERVE_NATIVE_CACHE:-$HOME/.cache/localserve-avx2}"
 export ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
-if [ "$(id -u)" -eq 0 ]; then ns=-m; else ns=-rm; fi
 unshare $ns sh -c 'mount --bind "$0" /proc/cpuinfo && exec "$@"' "$dir/cpuinfo" "$@"

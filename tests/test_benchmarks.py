@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -100,26 +101,54 @@ print("__AVX2__" in macros, "__AVX512F__" in macros, os.environ["LOCALSERVE_AVX2
 """
 
 
+PROXY = ROOT / "benchmarks" / "avx2_proxy.sh"
+
+
+def cpu_has(flag: str) -> bool:
+    info = Path("/proc/cpuinfo")
+    return info.exists() and re.search(rf"^flags.*\b{flag}\b", info.read_text(), re.M) is not None
+
+
+def test_the_avx2_proxy_refuses_clearly_what_it_cannot_do(tmp_path):
+    """No command: its usage, exit 2; no compiler: a one-line reason, exit 1, before it
+    touches anything."""
+    proc = subprocess.run([str(PROXY)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.startswith("usage:"), proc.stderr
+    env = dict(os.environ, CC=str(tmp_path / "no-such-cc"), TMPDIR=str(tmp_path))
+    proc = subprocess.run([str(PROXY), "true"], capture_output=True, text=True, env=env,
+                          timeout=60)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.strip() == (f"avx2_proxy.sh: no C compiler ({env['CC']}) to build the "
+                                   "kernels for Haswell")
+    assert not list(tmp_path.iterdir())
+
+
 def test_the_avx2_proxy_hides_the_wider_flags_from_localserve_and_the_compiler(tmp_path):
-    """benchmarks/avx2_proxy.sh: localserve and the C compiler see an AVX2-only CPU."""
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    if not re.search(r"^flags.*\bavx2\b", flags, re.M):
-        pytest.skip("not an x86 CPU with AVX2")
-    if subprocess.run(["sh", "-c", "command -v gcc && (unshare -m true || unshare -rm true)"],
-                      capture_output=True).returncode:
-        pytest.skip("no gcc, or no mount namespace for this user (unshare)")
+    """benchmarks/avx2_proxy.sh: localserve and the C compiler see an AVX2-only CPU; where it
+    cannot stand in for one (no compiler, no AVX2 + FMA, no mount namespace for this user) it
+    says which."""
     (tmp_path / "tmp").mkdir()
     env = dict(os.environ, HOME=str(tmp_path), TMPDIR=str(tmp_path / "tmp"))
-    proc = subprocess.run([str(ROOT / "benchmarks" / "avx2_proxy.sh"), sys.executable, "-c",
-                           PROXY_CHECK], capture_output=True, text=True, env=env, cwd=ROOT,
-                          timeout=120)
+    proc = subprocess.run([str(PROXY), sys.executable, "-c", PROXY_CHECK], capture_output=True,
+                          text=True, env=env, cwd=ROOT, timeout=120)
+    namespace = subprocess.run(["sh", "-c", "unshare -m true || unshare -rm true"],
+                               capture_output=True).returncode == 0
+    if shutil.which(os.environ.get("CC", "gcc")) is None:
+        assert proc.returncode == 1 and "no C compiler" in proc.stderr, proc.stderr
+        return
+    if not (cpu_has("avx2") and cpu_has("fma")):
+        assert proc.returncode == 1 and "no AVX2 + FMA" in proc.stderr, proc.stderr
+        return
+    if not namespace:
+        assert proc.returncode == 1 and "no mount namespace here" in proc.stderr, proc.stderr
+        return
     assert proc.returncode == 0, proc.stderr[-2000:]
     hidden, picks, compiler = proc.stdout.splitlines()
     assert hidden == "[]"
     assert picks == "avx2 torch.float32"  # avx2_gemm.c first; fp32 compute, as on such a CPU
-    has_bf16 = "yes" if re.search(r"^flags.*\bavx512_bf16\b", flags, re.M) else "no"
-    assert compiler == f"True False AVX-512 BF16 {has_bf16}, AMX " + (
-        "yes" if re.search(r"^flags.*\bamx_tile\b", flags, re.M) else "no")
+    yes = {True: "yes", False: "no"}
+    assert compiler == (f"True False AVX-512 BF16 {yes[cpu_has('avx512_bf16')]}, "
+                        f"AMX {yes[cpu_has('amx_tile')]}")
     assert not list((tmp_path / "tmp").iterdir()), "the script leaves nothing behind"
 
 
