@@ -159,7 +159,8 @@ class DecodePlan:
 
         def packed(m: Packed, xin: int, yout: int, n: int, k: int) -> int:
             if isinstance(m, Int4Linear):
-                return gemm4(xin, m.q4x32.data_ptr(), yout, xs, t, n, k, m.group_size)
+                return gemm4(xin, m.q4x32.data_ptr(), yout, xs, t, n, k, m.group_size,
+                             m.int8_from)
             if bf16 or widen:
                 return lib.int8_gemm(xin, m.q8.data_ptr(), m.q8_scale.data_ptr(), yout, t, n, k,
                                      0)

@@ -74,8 +74,12 @@ def prepare_quantized(model: nn.Module, use_kernels: bool = True) -> None:
     """Let each quantized module pick its kernel for its final device. A tied embedding whose
     LM head moved to our kernels' layout (cpu_gemm.py) then reads its rows from that layout:
     one copy."""
+    from server.quant.cpu_gemm import int8_outputs_from
+
     embeddings = {id(m.weight): m for m in model.modules() if isinstance(m, Int8Embedding)}
-    for module in model.modules():
+    for name, module in model.named_modules():
+        if isinstance(module, Int4Linear):
+            module.int8_from = int8_outputs_from(name, module.out_features, module.group_size)
         if isinstance(module, Int4Linear | Int8Linear):
             tied = embeddings.get(id(module.weight)) if isinstance(module, Int8Linear) else None
             module.prepare(use_kernels)

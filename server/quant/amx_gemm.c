@@ -187,9 +187,10 @@ int amx_gemm_available(void) {
 
 /* As avx512_gemm.c's int4_gemm (same arguments and results but for the order of the sums). */
 int int4_gemm(const uint16_t *x, const uint8_t *packed, uint16_t *y, float *xsum, int64_t m,
-              int64_t n, int64_t k, int64_t group) {
+              int64_t n, int64_t k, int64_t group, int64_t int8_from) {
     if (amx_state != 1 || group % CHUNK)
-        return amx_state == 1 ? int4_gemm_avx512(x, packed, y, xsum, m, n, k, group) : 1;
+        return amx_state == 1 ? int4_gemm_avx512(x, packed, y, xsum, m, n, k, group, int8_from)
+                              : 1;
     if (n % 32 || k % group) return 1;
     if (m == 0) return 0;  /* (a tile of 0 rows is not a valid configuration) */
     int64_t groups = k / group, blocks = n / 32;
@@ -290,7 +291,7 @@ int int8_gemm(const uint16_t *x, const int8_t *packed, const float *scale, void 
 int amx_gemm_available(void) { return 0; }
 
 int int4_gemm(const void *x, const void *packed, void *y, void *xsum, int64_t m, int64_t n,
-              int64_t k, int64_t group) {
+              int64_t k, int64_t group, int64_t int8_from) {
     return 1;
 }
 

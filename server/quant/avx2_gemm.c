@@ -19,11 +19,12 @@
  * int8 (the LM head): the same with int8 weights, x in int16 per group of 32 inputs.
  *
  * Plain AVX2 (no VNNI path below) can take int8 activations for int4 layers of groups of 32
- * instead (avx2_gemm_set_a8, which cpu_gemm.py sets there with LOCALSERVE_ACTIVATIONS=int8):
- * vpmaddubsw multiplies 32 nibbles by 32 int8 inputs at once into int16 sums, which a group of
- * 32 cannot overflow, so a group needs half the vector instructions of vpmaddwd + vpaddd.
- * 1.4-1.5x the int16 kernel's speed at 32-512 rows, 1.2x at one, for activations rounded to
- * 1/254 of the group's largest (what it costs: docs/architecture.md). Rows stay independent.
+ * instead, for the outputs from int4_gemm_f32's int8_from on (cpu_gemm.py asks it for every
+ * layer but q/k/v there by default, LOCALSERVE_ACTIVATIONS): vpmaddubsw multiplies 32 nibbles
+ * by 32 int8 inputs at once into int16 sums, which a group of 32 cannot overflow, so a group
+ * needs half the vector instructions of vpmaddwd + vpaddd. 1.4-1.5x the int16 kernel's speed
+ * at 32-512 rows, 1.2x at one, for activations rounded to 1/254 of the group's largest (what
+ * it costs: docs/architecture.md). Rows stay independent.
  *
  * Where the compiler targets AVX-512 VNNI (-march=native on such a CPU), the int32 sums come
  * from vpdpwssd on whole blocks instead (WIDE_ROWS, below): the same bits, 1.3-2.5x faster.
@@ -476,7 +477,6 @@ static inline __attribute__((always_inline)) void pass4(
 
 #if !defined(WIDE_ROWS) && !defined(VEX_VNNI)
 #define A8_PATH 1
-static int a8_mode; /* int8 activations for int4 layers of groups of 32 (avx2_gemm_set_a8) */
 
 /* acc + vpmaddubsw(w, x) in acc's own register, int16 lanes (as madd_acc). */
 static inline __m256i maddubs_acc(__m256i acc, __m256i w, __m256i x) {
@@ -570,17 +570,17 @@ static inline void half_block_a8(const int8_t *xq, int64_t k, const float *xa,
     store_half(yacc, y, n, r, hb, out_fp32);
 }
 
-/* gemm4 with int8 inputs (a8_mode, groups of 32). */
+/* gemm4 with int8 inputs (groups of 32) for the blocks of 32 outputs from `first` on. */
 static int gemm4_a8(const float *xf, const uint8_t *packed, void *y, int64_t m, int64_t n,
-                    int64_t k, int out_fp32) {
+                    int64_t k, int out_fp32, int64_t first) {
     const int64_t groups = k / 32, blocks = n / 32, cells = m * groups;
     char *mem = malloc((size_t)(2 * cells) * sizeof(float) + (size_t)(m * k));
     if (!mem) return 1;
     float *xa = (float *)mem, *xsum = xa + cells;
     int8_t *xq = (int8_t *)(xsum + cells);
     quantize8(xf, m, k, xq, xa, xsum);
-    #pragma omp parallel for schedule(static) if (blocks >= 4)
-    for (int64_t b = 0; b < blocks; b++) {
+    #pragma omp parallel for schedule(static) if (blocks - first >= 4)
+    for (int64_t b = first; b < blocks; b++) {
         const uint8_t *blk = packed + b * groups * group_bytes(32);
         for (int64_t i = 0; i < m; i += ROWS) {
             int r = m - i < ROWS ? (int)(m - i) : ROWS;
@@ -598,13 +598,21 @@ static int gemm4_a8(const float *xf, const uint8_t *packed, void *y, int64_t m, 
 }
 #endif
 
-/* xf: fp32 [m, k]; y: [m, n], bf16 or (out_fp32) fp32. Returns nonzero if out of memory. */
+/* xf: fp32 [m, k]; y: [m, n], bf16 or (out_fp32) fp32; outputs int8_from.. (a multiple of 32)
+ * take int8 inputs where this build has the path and groups are 32, the rest int16. Returns
+ * nonzero if out of memory. */
 static int gemm4(const float *xf, const uint8_t *packed, void *y, int64_t m, int64_t n,
-                 int64_t k, int64_t group, int out_fp32) {
-#ifdef A8_PATH
-    if (a8_mode && group == 32) return gemm4_a8(xf, packed, y, m, n, k, out_fp32);
-#endif
+                 int64_t k, int64_t group, int out_fp32, int64_t int8_from) {
     int64_t groups = k / group, blocks = n / 32;
+#ifdef A8_PATH
+    if (group == 32 && int8_from < n) {
+        if (gemm4_a8(xf, packed, y, m, n, k, out_fp32, int8_from / 32)) return 1;
+        blocks = int8_from / 32;
+        if (!blocks) return 0;
+    }
+#else
+    (void)int8_from;
+#endif
     rows16 x16;
     void *mem = quantize_rows(xf, m, k, group, &x16);
     if (!mem) return 1;
@@ -630,22 +638,27 @@ static int gemm4(const float *xf, const uint8_t *packed, void *y, int64_t m, int
     return 0;
 }
 
-/* x: bf16 [m, k]; y: bf16 [m, n]; xsum: avx512_gemm.c's scratch, unused here. */
+/* x: bf16 [m, k]; y: bf16 [m, n]; xsum: avx512_gemm.c's scratch, unused here; int8_from as
+ * int4_gemm_f32's. */
 int int4_gemm(const uint16_t *x, const uint8_t *packed, uint16_t *y, float *xsum, int64_t m,
-              int64_t n, int64_t k, int64_t group) {
-    if (n % 32 || k % group || group % 2) return 1;
+              int64_t n, int64_t k, int64_t group, int64_t int8_from) {
+    if (n % 32 || k % group || group % 2 || int8_from < 0 || int8_from > n || int8_from % 32)
+        return 1;
     float *xf = to_fp32(x, m, k);
     if (!xf) return 1;
-    int failed = gemm4(xf, packed, y, m, n, k, group, 0);
+    int failed = gemm4(xf, packed, y, m, n, k, group, 0, int8_from);
     free(xf);
     return failed;
 }
 
-/* fp32 in and out (the compute dtype of CPUs without fast bf16): x and y are never rounded. */
+/* fp32 in and out (the compute dtype of CPUs without fast bf16): x and y are never rounded.
+ * Outputs int8_from.. (0..n, a multiple of 32; n: none) take the inputs as int8 where this
+ * build has that path (avx2_gemm_a8) and groups are 32; elsewhere it changes nothing. */
 int int4_gemm_f32(const float *x, const uint8_t *packed, float *y, float *xsum, int64_t m,
-                  int64_t n, int64_t k, int64_t group) {
-    if (n % 32 || k % group || group % 2) return 1;
-    return gemm4(x, packed, y, m, n, k, group, 1);
+                  int64_t n, int64_t k, int64_t group, int64_t int8_from) {
+    if (n % 32 || k % group || group % 2 || int8_from < 0 || int8_from > n || int8_from % 32)
+        return 1;
+    return gemm4(x, packed, y, m, n, k, group, 1, int8_from);
 }
 
 /* The weight as bf16 [k][n] (transposed), rows [k0, k1): w = (q - 8) * scale + zero in fp32,
@@ -776,7 +789,7 @@ int avx2_gemm_available(void) { return 1; }
 #else
 
 int int4_gemm(const void *x, const void *packed, void *y, void *xsum, int64_t m, int64_t n,
-              int64_t k, int64_t group) {
+              int64_t k, int64_t group, int64_t int8_from) {
     return 1;
 }
 
@@ -791,7 +804,7 @@ int int8_gemm(const void *x, const void *packed, const void *scale, void *y, int
 }
 
 int int4_gemm_f32(const void *x, const void *packed, void *y, void *xsum, int64_t m,
-                  int64_t n, int64_t k, int64_t group) {
+                  int64_t n, int64_t k, int64_t group, int64_t int8_from) {
     return 1;
 }
 
@@ -804,14 +817,11 @@ int avx2_gemm_available(void) { return 0; }
 
 #endif
 
-/* int8 activations for int4 layers of groups of 32 on (1) or off (0), where this build has the
- * path (plain AVX2); returns the mode now in force (always 0 elsewhere). Set once, at load;
- * avx2_gemm_a8 says which. */
+/* 1 where this build has the int8-activation path int4_gemm_f32's int8_from asks for (plain
+ * AVX2), else 0. */
 #ifdef A8_PATH
-int avx2_gemm_set_a8(int on) { return a8_mode = on != 0; }
-int avx2_gemm_a8(void) { return a8_mode; }
+int avx2_gemm_a8(void) { return 1; }
 #else
-int avx2_gemm_set_a8(int on) { return 0; }
 int avx2_gemm_a8(void) { return 0; }
 #endif
 

@@ -137,9 +137,10 @@ static __m512i nibble_table(void) {
     return table;
 }
 
-/* x: bf16 [m, k]; y: bf16 [m, n]; xsum: fp32 [m * k / group] scratch (x's sums per group). */
+/* x: bf16 [m, k]; y: bf16 [m, n]; xsum: fp32 [m * k / group] scratch (x's sums per group);
+ * int8_from: avx2_gemm.c's (int8 inputs on plain AVX2), unused here. */
 int int4_gemm(const uint16_t *x, const uint8_t *packed, uint16_t *y, float *xsum, int64_t m,
-              int64_t n, int64_t k, int64_t group) {
+              int64_t n, int64_t k, int64_t group, int64_t int8_from) {
     if (n % 32 || k % group || group % 2) return 1;
     int64_t groups = k / group, blocks = n / 32;
     group_sums(x, xsum, m, k, group);
@@ -251,7 +252,7 @@ int avx512_gemm_available(void) { return 1; }
 #else
 
 int int4_gemm(const void *x, const void *packed, void *y, void *xsum, int64_t m, int64_t n,
-              int64_t k, int64_t group) {
+              int64_t k, int64_t group, int64_t int8_from) {
     return 1;
 }
 

@@ -149,9 +149,11 @@ def takes_fp32(lib=None) -> bool:
     return lib is not None and hasattr(lib, "int4_gemm_f32")
 
 
-def gemm(x: torch.Tensor, packed: torch.Tensor, group: int, lib=None) -> torch.Tensor | None:
+def gemm(x: torch.Tensor, packed: torch.Tensor, group: int, lib=None,
+         int8_from: int | None = None) -> torch.Tensor | None:
     """x [M, K] @ the layer -> [M, N] in x's dtype (bf16, or fp32 where takes_fp32); None if
-    the kernel declines."""
+    the kernel declines. fp32 x on plain AVX2: outputs int8_from.. take x as int8 per group of
+    32 (`int8_outputs_from`; None: none)."""
     lib = lib or checked()
     m, k = x.shape
     n = packed.shape[0] * BLOCK
@@ -166,7 +168,8 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, group: int, lib=None) -> torch.T
         fn = lib.int4_gemm_f32
     else:
         return None
-    failed = fn(x.data_ptr(), packed.data_ptr(), y.data_ptr(), xsum.data_ptr(), m, n, k, group)
+    args = (x.data_ptr(), packed.data_ptr(), y.data_ptr(), xsum.data_ptr(), m, n, k, group)
+    failed = fn(*args, n if int8_from is None else int8_from)
     return None if failed else y
 
 
@@ -225,9 +228,12 @@ def source_in_use() -> str | None:
 
 
 def variant(lib) -> str | None:
-    """avx2_gemm.c's VNNI path built into `lib` (vnni_path), or "int8 activations" where it
-    takes them (plain AVX2), else None."""
-    return vnni_path(lib) or ("int8 activations" if int8_activations(lib) else None)
+    """avx2_gemm.c's VNNI path built into `lib` (vnni_path), or which layers take int8
+    activations where it has that path (plain AVX2: `activations_asked`), else None."""
+    if vnni_path(lib) or not int8_path(lib):
+        return vnni_path(lib)
+    return {"int8": "int8 activations", "mixed": "int8 activations but for q/k/v",
+            "int16": None}[activations_asked()]
 
 
 def wide(lib) -> bool:
@@ -264,27 +270,41 @@ def _open(source: Path):
     lib = native.library(source)
     if lib is None or not getattr(lib, f"{source.stem}_available")():
         return None
-    lib = typed(lib)
-    if hasattr(lib, "avx2_gemm_set_a8"):  # before the check, which then checks what runs
-        lib.avx2_gemm_set_a8(activations_asked() == "int8")
-    return lib
+    return typed(lib)
+
+
+ACTIVATIONS = ("mixed", "int16", "int8")
+# "mixed": the layers (by their last name) whose inputs plain AVX2 keeps in int16. Measured one
+# layer kind at a time (docs/architecture.md): int8 inputs to q/k/v alone cost as much as int8
+# everywhere (6 of 16 greedy answers whole), to o, gate/up and down together far less.
+INT16_LAYERS = ("qkv_proj", "q_proj", "k_proj", "v_proj")
+_warned: set[str] = set()
 
 
 def activations_asked() -> str:
-    """int4 layers' activations on plain AVX2 (avx2_gemm.c without a VNNI path): "int16" per
-    group (the default, as every other path's, exact to 2^-16 of the group's largest), or
-    "int8" per group of 32 (LOCALSERVE_ACTIVATIONS=int8: ~1.3x the throughput at 32 clients,
-    for twice the KL from the bf16 model and 6 of 16 greedy answers whole instead of 16,
-    docs/architecture.md)."""
-    asked = os.environ.get("LOCALSERVE_ACTIVATIONS", "int16")
-    if asked not in ("int8", "int16"):
-        log.warning("LOCALSERVE_ACTIVATIONS=%r ignored: int8 or int16", asked)
-        return "int16"
+    """int4 layers' activations on plain AVX2 (avx2_gemm.c without a VNNI path), per group:
+    "mixed" (the default) int16 for q/k/v and int8 for the rest, "int16" for all (as every
+    other path's, exact to 2^-16 of the group's largest) or "int8" for all
+    (LOCALSERVE_ACTIVATIONS; what each costs and gains: docs/architecture.md)."""
+    asked = os.environ.get("LOCALSERVE_ACTIVATIONS", "mixed")
+    if asked not in ACTIVATIONS:
+        if asked not in _warned:
+            _warned.add(asked)
+            log.warning("LOCALSERVE_ACTIVATIONS=%r ignored: %s", asked, ", ".join(ACTIVATIONS))
+        return "mixed"
     return asked
 
 
-def int8_activations(lib) -> bool:
-    """Whether `lib` (avx2_gemm.c) takes int4 layers' activations (groups of 32) as int8."""
+def int8_outputs_from(name: str, n: int, group: int) -> int:
+    """The first of int4 layer `name`'s n outputs whose inputs plain AVX2 takes as int8
+    (`activations_asked`): 0 (all) or n (none). Other kernels take none whatever it is."""
+    asked = activations_asked()
+    int16 = asked == "int16" or (asked == "mixed" and name.rpartition(".")[2] in INT16_LAYERS)
+    return n if int16 or group != 32 else 0
+
+
+def int8_path(lib) -> bool:
+    """Whether `lib` (avx2_gemm.c) can take int4 layers' activations as int8 (plain AVX2)."""
     return hasattr(lib, "avx2_gemm_a8") and lib.avx2_gemm_a8() == 1
 
 
@@ -292,14 +312,13 @@ def typed(lib: ctypes.CDLL) -> ctypes.CDLL:
     """`lib` (one of SOURCES, built) with its functions' ctypes signatures set."""
     lib.int4_gemm.restype = lib.int4_unpack_q4x32.restype = lib.int8_gemm.restype = ctypes.c_int
     lib.int8_gemm.argtypes = [_P] * 4 + [_I] * 3 + [ctypes.c_int]
-    lib.int4_gemm.argtypes = [_P] * 4 + [_I] * 4
+    lib.int4_gemm.argtypes = [_P] * 4 + [_I] * 5
     lib.int4_unpack_q4x32.argtypes = [_P] * 2 + [_I] * 5
-    if hasattr(lib, "avx2_gemm_set_a8"):
-        lib.avx2_gemm_set_a8.restype = lib.avx2_gemm_a8.restype = ctypes.c_int
-        lib.avx2_gemm_set_a8.argtypes, lib.avx2_gemm_a8.argtypes = [ctypes.c_int], []
+    if hasattr(lib, "avx2_gemm_a8"):
+        lib.avx2_gemm_a8.restype, lib.avx2_gemm_a8.argtypes = ctypes.c_int, []
     if hasattr(lib, "int4_gemm_f32"):  # avx2_gemm.c
         lib.int4_gemm_f32.restype = lib.int8_gemm_f32.restype = ctypes.c_int
-        lib.int4_gemm_f32.argtypes = [_P] * 4 + [_I] * 4
+        lib.int4_gemm_f32.argtypes = [_P] * 4 + [_I] * 5
         lib.int8_gemm_f32.argtypes = [_P] * 4 + [_I] * 3
     return lib
 
@@ -330,6 +349,15 @@ def _self_check(lib) -> str | None:
         if not all(torch.equal(y[i:i + 1], gemm(x[i:i + 1], layout, group, lib))
                    for i in range(37)):
             return "rows"
+        if group == 32 and int8_path(lib):  # the outputs from 32 on with int8 inputs
+            x32 = x.float()
+            y8, y16 = gemm(x32, layout, group, lib, 32), gemm(x32, layout, group, lib)
+            if y8 is None or not torch.equal(y8[:, :32], y16[:, :32]) or not torch.allclose(
+                    y8, want, rtol=2e-2, atol=2e-2 * want.std()):
+                return "int8 inputs"
+            if not all(torch.equal(y8[i:i + 1], gemm(x32[i:i + 1], layout, group, lib, 32))
+                       for i in range(37)):
+                return "int8 input rows"
     q = torch.randint(-127, 128, (96, 320), generator=g, dtype=torch.int8)
     scale = torch.rand(96, generator=g) / 100
     layout = pack_int8(q)

@@ -85,6 +85,7 @@ class Int4Linear(nn.Module):
         self.scales_and_zeros: torch.Tensor | None = None  # [K/g, N, 2] in KERNEL_DTYPE
         # Or, on a CPU our kernels serve (cpu_gemm.py): the weight in their layout.
         self.q4x32: torch.Tensor | None = None
+        self.int8_from = out_features  # outputs from here take int8 inputs (cpu_gemm.gemm)
         self.tiled = False  # the CPU kernel's rows depend on each other here: call it in tiles
 
     def prepare(self, use_kernel: bool = True) -> None:
@@ -159,7 +160,7 @@ class Int4Linear(nn.Module):
 
     def _kernel(self, x2: torch.Tensor) -> torch.Tensor:
         if self.q4x32 is not None:
-            y = cpu_gemm.gemm(x2, self.q4x32, self.group_size)
+            y = cpu_gemm.gemm(x2, self.q4x32, self.group_size, int8_from=self.int8_from)
             if y is not None:
                 return y
             raise RuntimeError("cpu_gemm declined a layer it was built for")

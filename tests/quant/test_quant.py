@@ -378,12 +378,12 @@ def int8_activation_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Ten
 
 
 @pytest.mark.skipif("avx2" not in KERNEL_KINDS, reason="needs AVX2, FMA and F16C")
-def test_plain_avx2_takes_int8_activations_for_int4_groups_of_32(tmp_path):
-    """avx2_gemm.c built for Haswell, with int8 activations on (as cpu_gemm sets it on a plain
-    AVX2 CPU with LOCALSERVE_ACTIVATIONS=int8): int4 layers of groups of 32 compute what the
-    int8 scheme says (the reference above, to fp32 rounding), ~0.5% from the fp32 product (over
-    10x int16's error), each row's numbers its own; other groups keep int16. The VNNI builds
-    have no such path."""
+def test_plain_avx2_takes_int8_activations_for_the_outputs_asked(tmp_path):
+    """avx2_gemm.c built for Haswell: the outputs from int8_from on (a multiple of 32) of an int4
+    layer of groups of 32 compute what the int8 scheme says (the reference above, to fp32
+    rounding), ~0.5% from the fp32 product (over 10x int16's error); the outputs before it keep
+    int16's bits; each row's numbers its own; bf16 inputs the same way. Groups of 64 keep int16,
+    as do the VNNI builds, which have no such path; other int8_from values are refused."""
     from server.quant import cpu_gemm
 
     lib, _, _ = build_avx2_gemm(tmp_path, "-march=haswell")
@@ -394,60 +394,99 @@ def test_plain_avx2_takes_int8_activations_for_int4_groups_of_32(tmp_path):
     layout = cpu_gemm.pack_int4(q, scale, zero, 32)
     x = torch.randn(26, 192)
     x[:, 40] *= 30  # and an outlier activation
-    assert lib.avx2_gemm_a8() == 0  # off until set: the tests' other builds stay int16
+    assert cpu_gemm.int8_path(lib)
     exact = cpu_gemm.gemm(x, layout, 32, lib)
-    assert lib.avx2_gemm_set_a8(1) == 1 and cpu_gemm.int8_activations(lib)
-    y = cpu_gemm.gemm(x, layout, 32, lib)
+    assert torch.equal(exact, cpu_gemm.gemm(x, layout, 32, lib, int8_from=96))
+    y = cpu_gemm.gemm(x, layout, 32, lib, int8_from=0)
     want = int8_activation_reference(x, q, scale, zero)
     assert torch.allclose(y.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max())
     fp32 = x.double() @ dequantize_int4(q, scale.half(), zero.half(), 32).double().t()
     err = ((y.double() - fp32).norm() / fp32.norm()).item()
     exact_err = ((exact.double() - fp32).norm() / fp32.norm()).item()
     assert 10 * exact_err < err < 2e-2, (err, exact_err)
+    for start in (32, 64):
+        mixed = cpu_gemm.gemm(x, layout, 32, lib, int8_from=start)
+        assert torch.equal(mixed[:, :start], exact[:, :start]), start
+        assert torch.equal(mixed[:, start:], y[:, start:]), start
     for m in (1, 5, 6, 7, 13, 26):
-        rows = cpu_gemm.gemm(x[:m], layout, 32, lib)
-        assert all(torch.equal(rows[i:i + 1], cpu_gemm.gemm(x[i:i + 1], layout, 32, lib))
-                   for i in range(m)), m
-    bf16 = cpu_gemm.gemm(x.bfloat16(), layout, 32, lib)
+        for start in (0, 64):
+            rows = cpu_gemm.gemm(x[:m], layout, 32, lib, int8_from=start)
+            assert all(torch.equal(rows[i:i + 1], cpu_gemm.gemm(x[i:i + 1], layout, 32, lib,
+                                                                int8_from=start))
+                       for i in range(m)), (m, start)
+    bf16 = cpu_gemm.gemm(x.bfloat16(), layout, 32, lib, int8_from=0)
     assert torch.allclose(bf16.double(), int8_activation_reference(x.bfloat16().float(), q,
                                                                    scale, zero),
                           rtol=1e-2, atol=1e-2 * want.abs().max())
+    assert not torch.equal(bf16, cpu_gemm.gemm(x.bfloat16(), layout, 32, lib))
+    for bad in (16, -32, 128):
+        assert cpu_gemm.gemm(x, layout, 32, lib, int8_from=bad) is None, bad
     q64, s64, z64 = quantize_int4(w, 64)
     layout64 = cpu_gemm.pack_int4(q64, s64, z64, 64)
-    on = cpu_gemm.gemm(x, layout64, 64, lib)
-    lib.avx2_gemm_set_a8(0)
-    assert torch.equal(on, cpu_gemm.gemm(x, layout64, 64, lib))  # groups of 64 keep int16
+    assert torch.equal(cpu_gemm.gemm(x, layout64, 64, lib, int8_from=0),
+                       cpu_gemm.gemm(x, layout64, 64, lib))  # groups of 64 keep int16
     vex, _, _ = build_avx2_gemm(tmp_path, "-march=haswell", "-mavxvnni")
-    assert vex.avx2_gemm_set_a8(1) == 0 and not cpu_gemm.int8_activations(vex)
+    assert not cpu_gemm.int8_path(vex)
 
 
-def test_int8_activations_are_taken_only_when_asked(monkeypatch, caplog):
+def test_which_layers_take_int8_activations(monkeypatch, caplog):
+    """LOCALSERVE_ACTIVATIONS: "mixed" by default (q/k/v int16, the rest int8), "int16" or
+    "int8" for all; a bad value is said once and gives the default. Groups other than 32 never
+    take int8."""
     from server.quant import cpu_gemm
 
     monkeypatch.delenv("LOCALSERVE_ACTIVATIONS", raising=False)
-    assert cpu_gemm.activations_asked() == "int16"
+    assert cpu_gemm.activations_asked() == "mixed"
+    names = ("model.layers.0.self_attn.qkv_proj", "model.layers.0.self_attn.o_proj",
+             "model.layers.3.mlp.gate_up_proj", "model.layers.3.mlp.up_proj",
+             "model.layers.3.mlp.gate_proj", "model.layers.3.mlp.down_proj",
+             "model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj",
+             "model.layers.0.self_attn.v_proj")
+    starts = [cpu_gemm.int8_outputs_from(name, 96, 32) for name in names]
+    assert starts == [96, 0, 0, 0, 0, 0, 96, 96, 96]
+    assert cpu_gemm.int8_outputs_from("mlp.down_proj", 576, 64) == 576
     monkeypatch.setenv("LOCALSERVE_ACTIVATIONS", "int8")
-    assert cpu_gemm.activations_asked() == "int8"
+    assert [cpu_gemm.int8_outputs_from(name, 96, 32) for name in names] == [0] * len(names)
+    monkeypatch.setenv("LOCALSERVE_ACTIVATIONS", "int16")
+    assert [cpu_gemm.int8_outputs_from(name, 96, 32) for name in names] == [96] * len(names)
     monkeypatch.setenv("LOCALSERVE_ACTIVATIONS", "fp8")
-    assert cpu_gemm.activations_asked() == "int16"
-    assert "LOCALSERVE_ACTIVATIONS='fp8' ignored" in caplog.text
+    assert cpu_gemm.activations_asked() == cpu_gemm.activations_asked() == "mixed"
+    assert caplog.text.count("LOCALSERVE_ACTIVATIONS='fp8' ignored") == 1
 
 
 @pytest.mark.skipif("avx2" not in KERNEL_KINDS, reason="needs AVX2, FMA and F16C")
-def test_asking_for_int8_activations_reaches_the_plain_avx2_library(tmp_path):
-    """LOCALSERVE_ACTIVATIONS=int8 in a fresh process: the library the layers use takes them
-    where it is plain AVX2 (the name says so), and not where a VNNI path is built in."""
-    import subprocess
-    import sys
+def test_a_loaded_model_gives_each_layer_its_activations(monkeypatch, tmp_path):
+    """prepare_quantized gives each int4 layer its activations (by its name), and on the plain
+    AVX2 library (built for Haswell) the layer then computes that way: with "mixed" the q/k/v
+    layer's outputs as with int16 everywhere, the others' as with int8 everywhere."""
+    from server.models.loader import build_model
+    from server.quant import cpu_gemm
+    from tests.helpers import hf_model, our_config
 
-    env = dict(os.environ, LOCALSERVE_ACTIVATIONS="int8")
-    proc = subprocess.run([sys.executable, "-c", (
-        "from server.quant import cpu_gemm; lib = cpu_gemm.of_kind('avx2'); "
-        "print(cpu_gemm.int8_activations(lib), cpu_gemm.vnni_path(lib))")],
-        capture_output=True, text=True, env=env, cwd=Path(__file__).parents[2], timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    int8, _, vnni = proc.stdout.strip().partition(" ")
-    assert int8 == str(vnni == "None"), proc.stdout
+    lib, _, _ = build_avx2_gemm(tmp_path, "-march=haswell")
+    monkeypatch.setattr(cpu_gemm, "_state", [lib])
+    hf = hf_model("llama")
+    state, schemes = quantize_state_dict(dict(hf.state_dict()), 4, 32)
+    outputs = {}
+    for asked in ("mixed", "int16", "int8"):
+        monkeypatch.setenv("LOCALSERVE_ACTIVATIONS", asked)
+        model = build_model(our_config(hf), dict(state), schemes, torch.device("cpu"),
+                            torch.float32)
+        starts = {n: m.int8_from for n, m in model.named_modules()
+                  if isinstance(m, Int4Linear)}
+        assert starts and all(m.q4x32 is not None for m in model.modules()
+                              if isinstance(m, Int4Linear))
+        outputs[asked] = {n: m(torch.randn(5, m.in_features,
+                                           generator=torch.Generator().manual_seed(1)))
+                          for n, m in model.named_modules() if isinstance(m, Int4Linear)}
+        if asked == "mixed":
+            assert {name.rpartition(".")[2] for name, start in starts.items()
+                    if start} == {"qkv_proj"}
+            assert not any(starts[name] for name in starts if "qkv" not in name)
+    for name, y in outputs["mixed"].items():
+        same = "int16" if name.endswith("qkv_proj") else "int8"
+        assert torch.equal(y, outputs[same][name]), name
+        assert not torch.equal(outputs["int8"][name], outputs["int16"][name]), name
 
 
 @pytest.mark.skipif("avx2" not in KERNEL_KINDS, reason="needs AVX2, FMA and F16C")
@@ -640,8 +679,8 @@ def test_fp32_activations_go_through_unrounded_where_the_kernels_take_them(kerne
     rounded to bf16: int4 and int8 results (an int8 layer and an int8 LM head) within their
     int16 activations' error (2^-16 of each
     group's largest; bf16's is 2^-9 of every value), more than ten times closer to the
-    reference than with x rounded to bf16, rows independent (on plain AVX2 int4 layers take them
-    as int8 instead, as their scheme says); avx512_gemm.c takes bf16 only (the layer rounds x,
+    reference than with x rounded to bf16, rows independent (a layer of no name, so int16 on
+    plain AVX2 too); avx512_gemm.c takes bf16 only (the layer rounds x,
     as PyTorch's kernels do)."""
     from server.quant import cpu_gemm
 
@@ -658,15 +697,9 @@ def test_fp32_activations_go_through_unrounded_where_the_kernels_take_them(kerne
     head.prepare(use_kernel=True)
     tolerance = 2e-4 if kernel_kind == "avx2" else 1e-2  # int16 x, or bf16 in and out
     w8 = dequantize_int8(q8, s8)
-    a8 = cpu_gemm.int8_activations(cpu_gemm.checked())  # plain AVX2: int4 layers take int8 x
     for fn, w in ((layer, dequantize_int4(q, scale, zero, 32)), (head.logits, w8), (head, w8)):
         got = fn(x)
         assert got.dtype == torch.float32
-        if a8 and fn is layer:  # the int8 scheme, in fp32 (its own test above)
-            want = int8_activation_reference(x, q, scale, zero)
-            assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max())
-            assert torch.equal(torch.cat([fn(x[i:i + 1]) for i in range(9)]), got)
-            continue
         want = x @ w.t()
         assert (got - want).abs().max() < tolerance * want.abs().max()
         rounded = x.bfloat16().float() @ w.t()
