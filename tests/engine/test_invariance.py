@@ -126,6 +126,25 @@ def test_either_prompt_attention_gives_the_same_however_computed(int4_weights, i
     assert calls["tiles"] and bool(calls["in place"]) == bool(in_place)
 
 
+def test_plain_avx2_activations_keep_a_request_the_same_however_computed(int4_weights,
+                                                                        monkeypatch, tmp_path):
+    """On plain AVX2's default (int8 activations for every int4 layer but q/k/v; avx2_gemm.c
+    built for Haswell, so on every AVX2 machine): a seeded request the same however computed."""
+    from server.quant import cpu_gemm
+    from server.quant.int4 import Int4Linear
+    from tests.quant.test_quant import KERNEL_KINDS, build_avx2_gemm
+
+    if "avx2" not in KERNEL_KINDS:
+        pytest.skip("needs AVX2, FMA and F16C")
+    lib, _, _ = build_avx2_gemm(tmp_path, "-march=haswell")
+    monkeypatch.setattr(cpu_gemm, "_state", [lib])
+    monkeypatch.delenv("LOCALSERVE_ACTIVATIONS", raising=False)
+    model = build_model(*int4_weights, CPU, torch.float32)
+    starts = [m.int8_from for m in model.modules() if isinstance(m, Int4Linear)]
+    assert cpu_gemm.int8_path(lib) and 0 in starts and any(starts)
+    same_however_computed(model, torch.float32)
+
+
 def same_however_computed(model, dtype, device=CPU) -> None:
     def engine(**config) -> Engine:
         return Engine(model, EngineConfig(**({"num_blocks": 128} | config)), device, dtype)
