@@ -638,12 +638,16 @@ static int gemm4(const float *xf, const uint8_t *packed, void *y, int64_t m, int
     return 0;
 }
 
+/* The shapes and int8_from (0..n, a multiple of 32) int4_gemm and int4_gemm_f32 do not take. */
+static int declined(int64_t n, int64_t k, int64_t group, int64_t int8_from) {
+    return n % 32 || k % group || group % 2 || int8_from < 0 || int8_from > n || int8_from % 32;
+}
+
 /* x: bf16 [m, k]; y: bf16 [m, n]; xsum: avx512_gemm.c's scratch, unused here; int8_from as
  * int4_gemm_f32's. */
 int int4_gemm(const uint16_t *x, const uint8_t *packed, uint16_t *y, float *xsum, int64_t m,
               int64_t n, int64_t k, int64_t group, int64_t int8_from) {
-    if (n % 32 || k % group || group % 2 || int8_from < 0 || int8_from > n || int8_from % 32)
-        return 1;
+    if (declined(n, k, group, int8_from)) return 1;
     float *xf = to_fp32(x, m, k);
     if (!xf) return 1;
     int failed = gemm4(xf, packed, y, m, n, k, group, 0, int8_from);
@@ -656,8 +660,7 @@ int int4_gemm(const uint16_t *x, const uint8_t *packed, uint16_t *y, float *xsum
  * build has that path (avx2_gemm_a8) and groups are 32; elsewhere it changes nothing. */
 int int4_gemm_f32(const float *x, const uint8_t *packed, float *y, float *xsum, int64_t m,
                   int64_t n, int64_t k, int64_t group, int64_t int8_from) {
-    if (n % 32 || k % group || group % 2 || int8_from < 0 || int8_from > n || int8_from % 32)
-        return 1;
+    if (declined(n, k, group, int8_from)) return 1;
     return gemm4(x, packed, y, m, n, k, group, 1, int8_from);
 }
 

@@ -230,8 +230,9 @@ def source_in_use() -> str | None:
 def variant(lib) -> str | None:
     """avx2_gemm.c's VNNI path built into `lib` (vnni_path), or which layers take int8
     activations where it has that path (plain AVX2: `activations_asked`), else None."""
-    if vnni_path(lib) or not int8_path(lib):
-        return vnni_path(lib)
+    path = vnni_path(lib)
+    if path or not int8_path(lib):
+        return path
     return {"int8": "int8 activations", "mixed": "int8 activations but for q/k/v",
             "int16": None}[activations_asked()]
 
