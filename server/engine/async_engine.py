@@ -1,5 +1,6 @@
-"""AsyncEngine: the engine in its own thread, for asyncio callers; detokenization and fan-out
-of each step's tokens to the requests' queues."""
+"""AsyncEngine: the engine in its own thread, for asyncio callers. It only moves work between
+threads: requests and aborts in through an inbox, each step's chunks (output.py makes them)
+out to the requests' event loops."""
 
 from __future__ import annotations
 
@@ -15,45 +16,23 @@ from typing import Any
 
 from server.engine.detokenizer import IncrementalDetokenizer
 from server.engine.engine import Engine, EngineConfig, StepOutput, release_freed_memory
+from server.engine.output import CompletionChunk, OutputProcessor, RequestOutput
 from server.engine.sequence import (
     PRIORITY_INTERACTIVE,
     Pooling,
     SamplingParams,
     Sequence,
-    SequenceStatus,
 )
 
 log = logging.getLogger("localserve")
 
 
 @dataclass(slots=True)
-class CompletionChunk:
-    """What generate() yields: new text and tokens of one of the request's n choices."""
+class _Request(RequestOutput):
+    """A request in flight: its output state and where its chunks go."""
 
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    stop_reason: str | None = None  # the stop string that ended it, if any
-    logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
-    # The first chunk of a choice whose request asked for prompt logprobs: one entry for each
-    # prompt token after the first (the first has none), as `logprobs`
-    prompt_logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    num_output_tokens: int = 0
-    embedding: list[float] | None = None  # an embedding request's vector (its one chunk)
-    num_accepted_prediction: int = 0  # predicted outputs: drafts kept so far
-    num_rejected_prediction: int = 0  # and drafts computed and dropped
-
-
-@dataclass(slots=True)
-class _Request:
-    request_id: str
-    seqs: list[Sequence]
-    detokenizers: list[IncrementalDetokenizer]
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    loop: asyncio.AbstractEventLoop | None = None
+    queue: asyncio.Queue | None = None
 
 
 class AsyncEngine:
@@ -70,7 +49,7 @@ class AsyncEngine:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._requests: dict[str, _Request] = {}
+        self.output = OutputProcessor()
         self._ids = itertools.count()
         self._wake = threading.Event()
         self._stopping = False
@@ -194,6 +173,7 @@ class AsyncEngine:
     def _run(self, engine: Engine | Callable[[], Engine]) -> None:
         try:
             self.engine = engine if isinstance(engine, Engine) else engine()
+            self.output.engine = self.engine
             release_freed_memory()  # loading's temporaries (int32 unpacking, file reads)
         except BaseException as e:  # noqa: BLE001 - raised in the constructing thread
             self._start_error = e
@@ -234,78 +214,29 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if kind == "add":
-                self._requests[arg.request_id] = arg
+                self.output.requests[arg.request_id] = arg
                 for seq in arg.seqs:
                     self.engine.add(seq)
-            elif kind == "abort" and arg in self._requests:
-                for seq in self._requests.pop(arg).seqs:
+            elif kind == "abort" and arg in self.output.requests:
+                for seq in self.output.requests.pop(arg).seqs:
                     self.engine.abort(seq)
 
     def _deliver(self, step: StepOutput) -> None:
-        out = step.scheduled
-        # the sequences that gained tokens: one, or several with a prediction (speculation.py)
-        touched = [(s, n) for s, n in zip(out.seqs, out.num_kept, strict=True) if n]
-        # One wake-up of each event loop per step, not one per chunk.
+        """The step's chunks to their requests' queues: one wake-up of each event loop per
+        step, not one per chunk."""
         batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
-        for seq, num_kept in touched:
-            req = self._requests.get(seq.request_id)
-            if req is None:
-                continue
-            index = req.seqs.index(seq)
-            detok = req.detokenizers[index]
-            # the choice's first chunk carries its prompt's logprobs, where asked
-            with_prompt = (seq.params.prompt_logprobs is not None
-                           and seq.num_output_tokens == num_kept)
-            tokens = seq.token_ids[-num_kept:]
-            text = ""
-            for i, token in enumerate(tokens):
-                text += detok.add(token)
-                if detok.stopped_by is not None:  # a stop string: the tokens after it go
-                    if i + 1 < num_kept:
-                        del seq.token_ids[i + 1 - num_kept:], seq.logprobs[i + 1 - num_kept:]
-                        tokens = tokens[:i + 1]
-                    break
-            status = seq.status
-            if detok.stopped_by is not None and not status.is_finished:
-                self.engine.abort(seq, SequenceStatus.FINISHED_STOPPED)
-                status = seq.status
-            if status.is_finished:
-                text += detok.flush() if detok.stopped_by is None else ""
-            logprobs = None
-            if seq.params.logprobs:  # one entry per sampled token, this step's are the last
-                logprobs = [(token, lp, tops) for token, (lp, tops) in zip(
-                    tokens, seq.logprobs[-len(tokens):], strict=True)]
-            prompt_logprobs = None
-            if with_prompt:
-                prompt_logprobs = [(token, lp, tops) for token, (lp, tops) in zip(
-                    seq.token_ids[1:seq.num_prompt_tokens], seq.prompt_logprobs, strict=True)]
-            chunk = CompletionChunk(
-                index, text, tokens, seq.finish_reason, detok.stopped_by, logprobs,
-                prompt_logprobs, seq.num_prompt_tokens, seq.num_cached_tokens,
-                seq.num_output_tokens,
-                num_accepted_prediction=seq.num_accepted_prediction,
-                num_rejected_prediction=seq.num_rejected_prediction)
+        for req, chunk in self.output.process(step):
             batches.setdefault(req.loop, []).append((req.queue, chunk))
-        for seq in step.finished:  # embedding requests: their vector, once
-            req = self._requests.pop(seq.request_id, None) if seq.pooling else None
-            if req is not None:
-                chunk = CompletionChunk(0, "", [], seq.finish_reason, embedding=seq.embedding,
-                                        num_prompt_tokens=seq.num_prompt_tokens)
-                batches.setdefault(req.loop, []).append((req.queue, chunk))
         for loop, items in batches.items():
             loop.call_soon_threadsafe(_put_all, items)
-        # Only now: several of a request's n choices can finish in the same step.
-        for seq, _ in touched:
-            req = self._requests.get(seq.request_id)
-            if req is not None and all(s.status.is_finished for s in req.seqs):
-                del self._requests[seq.request_id]
+        self.output.forget_finished(step)
 
     def _fail_all(self, error: Exception) -> None:
-        for req in list(self._requests.values()):
+        for req in list(self.output.requests.values()):
             for seq in req.seqs:
                 self.engine.abort(seq)
             req.loop.call_soon_threadsafe(req.queue.put_nowait, error)
-        self._requests.clear()
+        self.output.requests.clear()
         self.engine.drop_internal()  # or it would fail again, step after step
 
 

@@ -33,6 +33,17 @@ class RequestTooLargeError(ValueError):
 
 
 @dataclass(slots=True)
+class _StepRoom:
+    """What is left of one step while it is scheduled."""
+
+    budget: int  # tokens the step may still compute
+    prefill_left: int = 0  # tokens of long prompts it may still compute (the pacer's cap)
+    num_shared: int = 0  # lower-priority sequences scheduled beside the top priority's
+    top: int = 0  # the highest priority with work (lowest number)
+    urgent: int | None = None  # the first waiting request's priority: outranked running wait
+
+
+@dataclass(slots=True)
 class SchedulerOutput:
     """What one step computes."""
 
@@ -154,31 +165,40 @@ class Scheduler:
         # priority has work, lower-priority sequences compute at most max_num_shared_seqs per
         # step (the oldest), so steps stay short for interactive streams.
         out = SchedulerOutput()
-        budget = budget or self.max_num_batched_tokens
-        bm = self.block_manager
-        urgent = self.waiting[0].priority if self.waiting else None
-        top = min((x.priority for x in (*self.running[:1], *self.waiting[:1])), default=0)
-        num_shared = 0
-        prefill_left = budget
+        room = _StepRoom(budget or self.max_num_batched_tokens)
+        room.urgent = self.waiting[0].priority if self.waiting else None
+        room.top = min((x.priority for x in (*self.running[:1], *self.waiting[:1])), default=0)
+        room.prefill_left = room.budget
         cap = self.prefill_tokens_with_decodes
         if cap is not None and any(
                 s.num_tokens - s.num_computed_tokens == 1 for s in self.running):
-            prefill_left = cap
+            room.prefill_left = cap
+        self._schedule_running(out, room)
+        if not out.preempted:  # no admissions while running sequences lack memory
+            self._admit_waiting(out, room)
+        if room.budget > 0:
+            self._draft_all(out, room.budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, room: _StepRoom) -> None:
+        """Running sequences in priority order: each its next chunk or its decode token,
+        preempting the lowest-priority ones where blocks run short."""
+        bm = self.block_manager
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and room.budget > 0:
             seq = self.running[i]
-            if urgent is not None and seq.priority > urgent:
+            if room.urgent is not None and seq.priority > room.urgent:
                 break  # running is sorted by priority: everything from here is outranked
-            if seq.priority > top:
-                if num_shared >= self.max_num_shared_seqs:
+            if seq.priority > room.top:
+                if room.num_shared >= self.max_num_shared_seqs:
                     break
-                num_shared += 1
-            n = self._paced(seq, min(seq.num_tokens - seq.num_computed_tokens, budget),
-                            prefill_left)
+                room.num_shared += 1
+            n = self._paced(seq, min(seq.num_tokens - seq.num_computed_tokens, room.budget),
+                            room.prefill_left)
             if n == 0:
                 i += 1  # a long prompt past the cap: decodes behind it still go
                 continue
-            prefill_left -= self._paced_tokens(seq, n)
+            room.prefill_left -= self._paced_tokens(seq, n)
             while not bm.can_append(seq, n):
                 victim = self.running[-1]  # lowest priority, most recently admitted
                 self._preempt(victim, out)
@@ -188,14 +208,17 @@ class Scheduler:
                 break  # it preempted itself: everything behind it is gone too
             bm.append_slots(seq, n)
             self._schedule(out, seq, n)
-            budget -= n
+            room.budget -= n
             i += 1
 
+    def _admit_waiting(self, out: SchedulerOutput, room: _StepRoom) -> None:
+        """Waiting requests in priority order into what the step has left, from their prefix
+        hit, preempting lower-priority running ones where they must."""
+        bm = self.block_manager
         j = 0
-        running_was_short = bool(out.preempted)  # no admissions while running seqs lack memory
-        while j < len(self.waiting) and budget > 0 and not running_was_short:
+        while j < len(self.waiting) and room.budget > 0:
             seq = self.waiting[j]
-            if seq.priority > top and num_shared >= self.max_num_shared_seqs:
+            if seq.priority > room.top and room.num_shared >= self.max_num_shared_seqs:
                 break  # waiting is sorted by priority: the rest are shared too
             if seq.leader is not None and not _prompt_cached(seq.leader):
                 j += 1  # n > 1: siblings wait to share the leader's cached prompt blocks
@@ -204,7 +227,8 @@ class Scheduler:
             # token's logits: no prefix hits for either.
             every_row = seq.pooling is not None or seq.params.prompt_logprobs is not None
             hit = PrefixHit() if every_row else bm.match_prefix(seq)
-            n = self._paced(seq, min(seq.num_tokens - hit.tokens, budget), prefill_left)
+            n = self._paced(seq, min(seq.num_tokens - hit.tokens, room.budget),
+                            room.prefill_left)
             if n == 0:
                 j += 1  # a long prompt past the cap: a shorter one behind it may still go
                 continue
@@ -212,21 +236,18 @@ class Scheduler:
                 refund = self._preempt_lower(seq, out)
                 if refund is None:
                     break
-                budget += refund
+                room.budget += refund
                 continue
             del self.waiting[j], self._waiting_keys[j]
-            num_shared += seq.priority > top
+            room.num_shared += seq.priority > room.top
             bm.allocate(seq, n, hit)
             seq.status = SequenceStatus.RUNNING
             seq.arrival = next(self._order)
             # Newest of its priority: after every running sequence of equal or higher priority.
             bisect.insort(self.running, seq, key=lambda s: (s.priority, s.arrival))
             self._schedule(out, seq, n)
-            budget -= n
-            prefill_left -= self._paced_tokens(seq, n)
-        if budget > 0:
-            self._draft_all(out, budget)
-        return out
+            room.budget -= n
+            room.prefill_left -= self._paced_tokens(seq, n)
 
     def update(self, out: SchedulerOutput, sampled: list[int]) -> list[Sequence]:
         """Advance counters with the step's results (`sampled`: a token per sampling row, a

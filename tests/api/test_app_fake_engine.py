@@ -9,7 +9,7 @@ import pytest
 
 from server.api.app import create_app
 from server.api.state import ServerSettings, ServerState
-from server.engine.async_engine import CompletionChunk
+from server.engine.output import CompletionChunk
 from tests.helpers import make_tokenizer
 
 

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from server.api.errors import APIError
-from server.api.structured import compile_grammar
+from server.api.generation.structured import compile_grammar
 
 
 class SlowCompiler:

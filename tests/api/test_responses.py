@@ -252,7 +252,7 @@ def test_truncation_auto_keeps_the_longest_tail_that_fits(client):
 
 
 def test_truncation_cuts_drop_tool_results_with_their_call():
-    from server.api.responses import _cuts
+    from server.api.openai.responses import _cuts
 
     def m(role):
         return {"role": role}

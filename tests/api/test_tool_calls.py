@@ -9,9 +9,9 @@ from dataclasses import replace
 import jsonschema
 import pytest
 
-from server.api.messages import parse_messages
-from server.api.tool_calls import ToolCallParser, openai_deltas
-from server.api.tools import (
+from server.api.generation.messages import parse_messages
+from server.api.generation.tool_calls import ToolCallParser, openai_deltas
+from server.api.generation.tools import (
     hermes_system_prompt,
     parse_functions,
     parse_tools,

@@ -19,14 +19,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
+from server.api.admission import Admission, admit, read_request
 from server.api.auth import tenant
-from server.api.body import read_json
 from server.api.errors import invalid
-from server.api.protocol import Fields
-from server.api.serving import new_id, off_loop, until_disconnect
+from server.api.fields import Fields
+from server.api.generation.pipeline import off_loop
 from server.api.state import ServerState
+from server.api.wire import new_id
 from server.engine.scheduler import RequestTooLargeError
 from server.engine.sequence import PRIORITY_INTERACTIVE, Pooling, SamplingParams
 
@@ -91,29 +92,15 @@ def model_pooling(state: ServerState) -> tuple[Pooling, bool]:
 
 
 async def create_embeddings(request: Request) -> Response:
-    state: ServerState = request.app.state.server
-    body = await read_json(request, state.settings.max_body_bytes)
-    state.ready_engine()
-    req = parse_embeddings(body, state.vocab_size)
-    state.check_model(req.model)
-    state.acquire()
-    try:
-        answer = embeddings_answer_for(state, req, tenant(request), PRIORITY_INTERACTIVE)
-        return JSONResponse(await until_disconnect(request, answer))
-    finally:
-        state.release()
+    state, req = await read_request(request, parse_embeddings)
+    async with admit(state, req, tenant(request), generates=False) as place:
+        run = await start_embeddings(state, req, place)
+        return await place.answer(request, run.collect())
 
 
-async def embeddings_answer(state: ServerState, body: dict[str, Any], salt: str, priority: int
-                            ) -> dict[str, Any]:
-    """The list a plain request with this body gets (for the batch queue)."""
-    req = parse_embeddings(body, state.vocab_size)
-    state.check_model(req.model)
-    return await embeddings_answer_for(state, req, salt, priority)
-
-
-async def embeddings_answer_for(state: ServerState, req: EmbeddingRequest, salt: str,
-                                priority: int) -> dict[str, Any]:
+async def start_embeddings(state: ServerState, req: EmbeddingRequest, place: Admission
+                           ) -> EmbeddingRun:
+    """The inputs checked (dimensions, context) and tokenized; the run embeds them."""
     engine = state.ready_engine()
     pooling, matryoshka = model_pooling(state)
     size = engine.hidden_size
@@ -129,18 +116,32 @@ async def embeddings_answer_for(state: ServerState, req: EmbeddingRequest, salt:
             engine.check(len(x), SamplingParams(max_tokens=0))
         except RequestTooLargeError as e:
             raise invalid("input", f"input[{i}]: {e}", code="context_length_exceeded") from None
-    rid = new_id("emb")
-    vectors = await asyncio.gather(*(engine.embed(x, pooling, priority, salt, f"{rid}-{i}")
-                                     for i, x in enumerate(ids)))
-    num_tokens = sum(map(len, ids))
-    if priority == PRIORITY_INTERACTIVE:  # batch lines count when their result is stored
-        state.usage.add(salt, "interactive", state.served_name, num_tokens, 0, 0)
-        state.usage_added()
-    data = [{"object": "embedding", "index": i,
-             "embedding": _encode(_shorten(v, req.dimensions, pooling.normalize),
-                                  req.encoding_format)} for i, v in enumerate(vectors)]
-    return {"object": "list", "data": data, "model": state.served_name,
-            "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
+    return EmbeddingRun(state, req, place, pooling, ids)
+
+
+class EmbeddingRun:
+    """One embeddings request: each input a prefill-only engine request, pooled."""
+
+    def __init__(self, state: ServerState, req: EmbeddingRequest, place: Admission,
+                 pooling: Pooling, ids: list[list[int]]) -> None:
+        self.state, self.req, self.place, self.pooling, self.ids = state, req, place, pooling, ids
+
+    async def collect(self) -> dict[str, Any]:
+        state, req, ids, pooling = self.state, self.req, self.ids, self.pooling
+        owner, priority = self.place.owner, self.place.priority
+        rid = new_id("emb")
+        vectors = await asyncio.gather(*(
+            state.ready_engine().embed(x, pooling, priority, owner, f"{rid}-{i}")
+            for i, x in enumerate(ids)))
+        num_tokens = sum(map(len, ids))
+        if priority == PRIORITY_INTERACTIVE:  # batch lines count when their result is stored
+            state.usage.add(owner, "interactive", state.served_name, num_tokens, 0, 0)
+            state.usage_added()
+        data = [{"object": "embedding", "index": i,
+                 "embedding": _encode(_shorten(v, req.dimensions, pooling.normalize),
+                                      req.encoding_format)} for i, v in enumerate(vectors)]
+        return {"object": "list", "data": data, "model": state.served_name,
+                "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
 
 
 def _tokenize(tokenizer: Any, inputs: list[str | list[int]]) -> list[list[int]]:

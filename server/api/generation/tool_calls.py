@@ -17,7 +17,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from server.api.tools import CALL_CLOSE, CALL_OPEN
+from server.api.generation.tools import CALL_CLOSE, CALL_OPEN
 
 # A call's start: first in the tag, first of a list, or the next one of a list.
 HEAD = re.compile(r'\s*(?:[\[,]\s*)?\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:')

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from typing import Any
 
 from starlette.datastructures import UploadFile
@@ -11,18 +10,14 @@ from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
 
 from server.api.auth import tenant
-from server.api.body import read_json
 from server.api.errors import APIError, invalid
-from server.api.protocol import Fields, parse_metadata
+from server.api.owned import not_found, owned_row
+from server.api.pagination import int_param, page
 from server.api.state import ServerState
 from storage.files import file_object
 
 PURPOSES = ("batch",)
 EXPIRY_SECONDS = (3600, 2592000)  # OpenAI's range for expires_after.seconds: 1 hour to 30 days
-
-
-def not_found(kind: str, object_id: str) -> APIError:
-    return APIError(404, f"No such {kind} object: {object_id}", param="id")
 
 
 async def upload_file(request: Request) -> Response:
@@ -144,86 +139,4 @@ async def delete_file(request: Request) -> Response:
 async def _row(request: Request) -> dict[str, Any]:
     state: ServerState = request.app.state.server
     return await owned_row(request, state.files.get, "File", "file_id")
-
-
-async def owned_row(request: Request, get, kind: str, id_param: str) -> dict[str, Any]:
-    """The caller's object named by the path parameter `id_param`, or 404."""
-    return await owned(request.app.state.server, get, tenant(request),
-                       request.path_params[id_param], lambda i: not_found(kind, i))
-
-
-async def owned(state: ServerState, get, owner: str, object_id: str,
-                missing: Callable[[str], APIError]) -> Any:
-    """What `get` finds of `owner`'s on the database thread, or `missing(object_id)` (also
-    when it belongs to another key: its existence is not revealed)."""
-    found = await state.db.run(get, owner, object_id)
-    if found is None:
-        raise missing(object_id)
-    return found
-
-
-async def update_metadata(request: Request, set_metadata, id_param: str,
-                          missing: Callable[[str], APIError]) -> Response:
-    """POST with `metadata` to the caller's object named by `id_param` (conversations, stored
-    chat completions): the new metadata replaces the old; answers the object, or `missing`."""
-    state: ServerState = request.app.state.server
-    f = Fields(await read_json(request, state.settings.max_body_bytes))
-    metadata = parse_metadata(f.raw("metadata"))
-    if metadata is None:
-        raise invalid("metadata", "Missing required parameter: 'metadata'.")
-    f.check_unknown()
-    object_id = request.path_params[id_param]
-    updated = await state.db.run(set_metadata, tenant(request), object_id, metadata)
-    if updated is None:
-        raise missing(object_id)
-    return JSONResponse(updated)
-
-
-async def delete_owned(request: Request, delete, id_param: str, kind: str,
-                       missing: Callable[[str], APIError]) -> Response:
-    """DELETE the caller's object named by `id_param`: `{id, object: "KIND.deleted", deleted}`,
-    or `missing`."""
-    state: ServerState = request.app.state.server
-    object_id = request.path_params[id_param]
-    if not await state.db.run(delete, tenant(request), object_id):
-        raise missing(object_id)
-    return JSONResponse({"id": object_id, "object": f"{kind}.deleted", "deleted": True})
-
-
-def int_param(value: str | None, name: str, default: int, lo: int, hi: int) -> int:
-    if value is None:
-        return default
-    try:
-        n = int(value)
-    except ValueError:
-        raise invalid(name, f"'{name}' must be an integer, got {value!r}.") from None
-    if not lo <= n <= hi:
-        raise invalid(name, f"'{name}' must be from {lo} to {hi}, got {n}.")
-    return n
-
-
-def page(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
-    """OpenAI's cursor page."""
-    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None, "has_more": has_more}
-
-
-def cursor_page(data: list[dict[str, Any]], request: Request, where: str,
-                default_order: str = "desc") -> dict[str, Any]:
-    """The page of `data` (given oldest first) the query asks for: `order` (asc or desc),
-    `limit` 1-100 (20), from after the object `after` names (in `where`)."""
-    q = request.query_params
-    limit = int_param(q.get("limit"), "limit", 20, 1, 100)
-    order = q.get("order", default_order)
-    if order not in ("asc", "desc"):
-        raise invalid("order", f"'order' must be 'asc' or 'desc', got {order!r}.")
-    if order == "desc":
-        data = data[::-1]
-    after = q.get("after")
-    if after is not None:
-        ids = [x["id"] for x in data]
-        if after not in ids:
-            raise invalid("after", f"No {after!r} in {where}.")
-        data = data[ids.index(after) + 1:]
-    return page(data[:limit], len(data) > limit)
 

@@ -17,16 +17,11 @@ import time
 import uuid
 from typing import Any
 
-from server.api.anthropic_messages import messages_answer
+from server.api.batch.lines import answer_line
 from server.api.body import loads
-from server.api.chat import chat_answer
-from server.api.completions import completion_answer
-from server.api.embeddings import embeddings_answer
 from server.api.errors import APIError
-from server.api.responses import responses_answer
 from server.api.state import ServerState
 from server.api.usage import today
-from server.engine.sequence import PRIORITY_BATCH
 from storage.batches import MESSAGES
 
 log = logging.getLogger("localserve")
@@ -212,11 +207,10 @@ class BatchWorker:
     async def _run_line(self, batch: dict[str, Any], custom_id: str, body_json: str) -> None:
         state = self.state
         request_id = f"batch_req_{uuid.uuid4().hex}"
-        answer = ANSWERS[batch["endpoint"]]
         try:
             try:
-                status, body = 200, await answer(state, json.loads(body_json), batch["tenant"],
-                                                 PRIORITY_BATCH)
+                status, body = 200, await answer_line(state, batch["endpoint"],
+                                                      json.loads(body_json), batch["tenant"])
             except APIError as e:
                 status, body = e.status, _error_body(batch, e)
             except asyncio.CancelledError:
@@ -242,13 +236,6 @@ class BatchWorker:
         await db.run(self.store.close_pending, batch["id"], final, code, message)
         await db.run(self.store.finalize, batch["id"], final)
         log.info("batch %s %s", batch["id"], final)
-
-
-# What a line of each endpoint gets: the body a plain request would (raises APIError as the
-# endpoint would answer). /v1/messages: Anthropic's Message Batches (message_batches.py).
-ANSWERS = {"/v1/chat/completions": chat_answer, "/v1/completions": completion_answer,
-           "/v1/embeddings": embeddings_answer, "/v1/responses": responses_answer,
-           MESSAGES: messages_answer}
 
 
 def _error_body(batch: dict[str, Any], error: APIError) -> dict[str, Any]:

@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from server.api.errors import APIError, invalid, unsupported
-from server.api.protocol import MAX_TOP_LOGPROBS, ChatRequest, Fields, cache_hints
-from server.api.structured import parse_response_format
-from server.api.tools import parse_tools
+from server.api.fields import Fields
+from server.api.generation.protocol import MAX_TOP_LOGPROBS, ChatRequest, cache_hints
+from server.api.generation.structured import parse_response_format
+from server.api.generation.tools import parse_tools
 from server.engine.sequence import SamplingParams
 
 INPUT_ROLES = ("user", "system", "developer", "assistant")

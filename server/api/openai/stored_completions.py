@@ -15,7 +15,8 @@ from starlette.responses import JSONResponse, Response
 
 from server.api.auth import tenant
 from server.api.errors import APIError
-from server.api.files import cursor_page, delete_owned, owned, update_metadata
+from server.api.owned import delete_owned, owned, update_metadata
+from server.api.pagination import cursor_page
 from server.api.state import ServerState
 
 

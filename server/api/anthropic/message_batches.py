@@ -19,14 +19,16 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from server.api.anthropic_protocol import UNKNOWN, rfc3339
+from server.api.anthropic.protocol import UNKNOWN
 from server.api.auth import tenant
 from server.api.body import parse_json, read_body
 from server.api.errors import APIError, invalid
-from server.api.files import int_param, owned_row, page
-from server.api.protocol import Fields
-from server.api.serving import off_loop
+from server.api.fields import Fields
+from server.api.generation.pipeline import off_loop
+from server.api.owned import owned_row
+from server.api.pagination import int_param, page
 from server.api.state import ServerState
+from server.api.wire import rfc3339
 from storage.batches import ENDED, MESSAGES
 
 CUSTOM_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")

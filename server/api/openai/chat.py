@@ -15,31 +15,32 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from server.api.protocol import ChatRequest, parse_chat
-from server.api.serving import Generation, TokenText, answer_for_batch, respond
+from server.api.admission import Admission, admit, read_request
+from server.api.auth import tenant
+from server.api.generation.protocol import ChatRequest, parse_chat
+from server.api.generation.token_text import TokenText
+from server.api.generation.tool_calls import Parsed, ToolCallParser, openai_calls, openai_deltas
+from server.api.generation.turn import Turn, finish_with_calls, pieces, start_turn
 from server.api.state import ServerState
-from server.api.tool_calls import Parsed, ToolCallParser, openai_calls, openai_deltas
-from server.api.turn import Piece, Turn, finish_with_calls, pieces, start_turn
 from server.api.usage import TokenCount
-from server.engine.async_engine import CompletionChunk
+from server.engine.output import CompletionChunk
 
 SYSTEM_FINGERPRINT = "localserve"
 
 
 async def create_chat_completion(request: Request) -> Response:
-    return await respond(request, parse_chat, _start)
+    state, req = await read_request(request, parse_chat)
+    async with admit(state, req, tenant(request)) as place:
+        run = await start_chat(state, req, place)
+        if req.stream:
+            return place.stream(run.stream(), "chat")
+        return await place.answer(request, run.collect())
 
 
-async def chat_answer(state: ServerState, body: dict[str, Any], salt: str, priority: int
-                      ) -> dict[str, Any]:
-    """The `chat.completion` a plain request with this body gets (for the batch queue)."""
-    return await answer_for_batch(state, body, salt, priority, parse_chat, _start)
-
-
-async def _start(state: ServerState, req: ChatRequest, salt: str, priority: int) -> Generation:
-    turn = await start_turn(state, req, salt, priority)
-    run = _Run(state, req, turn, salt)
-    return Generation(lambda: run.collect(turn.chunks), lambda: run.stream(pieces(turn)))
+async def start_chat(state: ServerState, req: ChatRequest, place: Admission) -> ChatRun:
+    """The admitted request's turn started; its run answers whole or as a stream."""
+    turn = await start_turn(state, req, place.owner, place.priority)
+    return ChatRun(state, req, turn, place.owner)
 
 
 def _logprobs(token_text: TokenText, chunk: CompletionChunk) -> dict[str, Any] | None:
@@ -48,11 +49,12 @@ def _logprobs(token_text: TokenText, chunk: CompletionChunk) -> dict[str, Any] |
     return {"content": token_text.entries(chunk.logprobs), "refusal": None}
 
 
-class _Run:
+class ChatRun:
     """One chat request: turns engine chunks into a `chat.completion` or its chunk events."""
 
     def __init__(self, state: ServerState, req: ChatRequest, turn: Turn, owner: str) -> None:
-        self.state, self.req, self.rid, self.owner = state, req, turn.request_id, owner
+        self.state, self.req, self.turn, self.owner = state, req, turn, owner
+        self.rid = turn.request_id
         self.count = TokenCount(turn.num_prompt_tokens, req.prediction is not None)
         self.token_text = TokenText(state.tokenizer)
         self.created = int(time.time())
@@ -64,9 +66,9 @@ class _Run:
                 "model": self.state.served_name, "choices": choices,
                 "system_fingerprint": SYSTEM_FINGERPRINT}
 
-    async def collect(self, chunks: AsyncIterator[CompletionChunk]) -> dict[str, Any]:
+    async def collect(self) -> dict[str, Any]:
         written = _Written(self.req.params.n)
-        async for chunk in chunks:
+        async for chunk in self.turn.chunks:
             self.count.add(chunk)
             written.add(chunk, _logprobs(self.token_text, chunk))
         return await self._answered(written)
@@ -99,7 +101,7 @@ class _Run:
                                     self.req.messages, self.req.metadata or {})
         return completion
 
-    async def stream(self, parts: AsyncIterator[Piece]) -> AsyncIterator[dict[str, Any]]:
+    async def stream(self) -> AsyncIterator[dict[str, Any]]:
         extra = {"usage": None} if self.req.include_usage else {}
 
         def event(index: int, delta: dict, finish: str | None = None, logprobs=None) -> dict:
@@ -112,7 +114,7 @@ class _Run:
         for i in range(self.req.params.n):
             yield event(i, {"role": "assistant", "content": None if only_calls else ""})
         written = _Written(self.req.params.n) if self.req.store else None  # to be stored
-        async for piece in parts:
+        async for piece in pieces(self.turn):
             chunk = piece.chunk
             self.count.add(chunk)
             lp = _logprobs(self.token_text, chunk)

@@ -13,46 +13,39 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from server.api.protocol import CompletionRequest, parse_completion
-from server.api.serving import (
-    Generation,
-    TokenText,
-    answer_for_batch,
-    merged,
-    new_id,
-    off_loop,
-    respond,
-    stream_engine,
-    with_max_tokens,
-)
+from server.api.admission import Admission, admit, read_request
+from server.api.auth import tenant
+from server.api.generation.pipeline import merged, off_loop, stream_engine, with_max_tokens
+from server.api.generation.protocol import CompletionRequest, parse_completion
+from server.api.generation.token_text import TokenText
 from server.api.state import ServerState
 from server.api.usage import TokenCount
-from server.engine.async_engine import CompletionChunk
+from server.api.wire import new_id
+from server.engine.output import CompletionChunk
 
 
 async def create_completion(request: Request) -> Response:
-    return await respond(request, parse_completion, _start)
+    state, req = await read_request(request, parse_completion)
+    async with admit(state, req, tenant(request)) as place:
+        run = await start_completion(state, req, place)
+        if req.stream:
+            return place.stream(run.stream(), "chat")
+        return await place.answer(request, run.collect())
 
 
-async def completion_answer(state: ServerState, body: dict[str, Any], salt: str, priority: int
-                            ) -> dict[str, Any]:
-    """The `text_completion` a plain request with this body gets (for the batch queue)."""
-    return await answer_for_batch(state, body, salt, priority, parse_completion, _start)
-
-
-async def _start(state: ServerState, req: CompletionRequest, salt: str, priority: int
-                 ) -> Generation:
+async def start_completion(state: ServerState, req: CompletionRequest, place: Admission
+                           ) -> CompletionRun:
+    """One engine request per prompt, started; the run merges their chunks into choices."""
     prompt_ids = await off_loop(_tokenize, state.tokenizer, req.prompts)
-    # max_tokens 0 (with echo): one token is computed and not given (_Run)
+    # max_tokens 0 (with echo): one token is computed and not given (CompletionRun)
     params = [with_max_tokens(state, req.params, max(req.max_tokens, 1), len(ids), "prompt")
               for ids in prompt_ids]
     rid = new_id("cmpl")
-    streams = [stream_engine(state, ids, p, f"{rid}-{i}", salt, priority)
+    streams = [stream_engine(state, ids, p, f"{rid}-{i}", place.owner, place.priority)
                for i, (ids, p) in enumerate(zip(prompt_ids, params, strict=True))]
     echoes = ([await off_loop(_echo_text, state.tokenizer, p) for p in req.prompts]
               if req.echo else None)
-    run, chunks = _Run(state, req, rid, prompt_ids, echoes), merged(streams)
-    return Generation(lambda: run.collect(chunks), lambda: run.stream(chunks))
+    return CompletionRun(state, req, rid, prompt_ids, echoes, merged(streams))
 
 
 def _tokenize(tokenizer: Any, prompts: list[str | list[int]]) -> list[list[int]]:
@@ -63,12 +56,13 @@ def _echo_text(tokenizer: Any, prompt: str | list[int]) -> str:
     return prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
 
 
-class _Run:
+class CompletionRun:
     """One completions request: turns engine chunks of every prompt into choices."""
 
     def __init__(self, state: ServerState, req: CompletionRequest, rid: str,
-                 prompt_ids: list[list[int]], echoes: list[str] | None) -> None:
-        self.state, self.req, self.rid = state, req, rid
+                 prompt_ids: list[list[int]], echoes: list[str] | None,
+                 chunks: AsyncIterator[tuple[int, CompletionChunk]]) -> None:
+        self.state, self.req, self.rid, self.chunks = state, req, rid, chunks
         self.count = TokenCount(sum(map(len, prompt_ids)))
         self.echoes = echoes
         self.n = req.params.n
@@ -114,10 +108,9 @@ class _Run:
                 "model": self.state.served_name, "choices": choices,
                 "system_fingerprint": "localserve"}
 
-    async def collect(self, chunks: AsyncIterator[tuple[int, CompletionChunk]]
-                      ) -> dict[str, Any]:
+    async def collect(self) -> dict[str, Any]:
         choices: list[dict[str, Any] | None] = [None] * self.num_choices
-        async for prompt, chunk in chunks:
+        async for prompt, chunk in self.chunks:
             index = prompt * self.n + chunk.index
             part = self._choice(prompt, chunk, choices[index] is None)
             have = choices[index]
@@ -133,11 +126,10 @@ class _Run:
         out["usage"] = self.count.usage()
         return out
 
-    async def stream(self, chunks: AsyncIterator[tuple[int, CompletionChunk]]
-                     ) -> AsyncIterator[dict[str, Any]]:
+    async def stream(self) -> AsyncIterator[dict[str, Any]]:
         started = [False] * self.num_choices
         extra = {"usage": None} if self.req.include_usage else {}
-        async for prompt, chunk in chunks:
+        async for prompt, chunk in self.chunks:
             index = prompt * self.n + chunk.index
             choice = self._choice(prompt, chunk, not started[index])
             started[index] = True

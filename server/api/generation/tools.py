@@ -27,7 +27,7 @@ from typing import Any
 
 from server.api.body import loads
 from server.api.errors import invalid, unsupported
-from server.api.structured import NAME
+from server.api.generation.structured import NAME
 from server.engine.grammar import lark_json, map_schemas, schemas_in
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"

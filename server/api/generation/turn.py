@@ -14,14 +14,15 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from server.api.errors import invalid, unsupported
-from server.api.protocol import ChatRequest
-from server.api.serving import new_id, off_loop, stream_engine, with_max_tokens
+from server.api.generation.pipeline import off_loop, stream_engine, with_max_tokens
+from server.api.generation.protocol import ChatRequest
+from server.api.generation.structured import compile_grammar, schema_grammar
+from server.api.generation.tool_calls import CallDelta, ToolCallParser, open_tag_start
+from server.api.generation.tools import CALL_OPEN, tool_grammar, tool_messages
 from server.api.state import ServerState
-from server.api.structured import compile_grammar, schema_grammar
-from server.api.tool_calls import CallDelta, ToolCallParser, open_tag_start
-from server.api.tools import CALL_OPEN, tool_grammar, tool_messages
-from server.engine.async_engine import CompletionChunk
+from server.api.wire import new_id
 from server.engine.grammar import Grammar, GrammarError, lark_grammar
+from server.engine.output import CompletionChunk
 from server.models.tokenizer import chat_prompt_ids
 
 

@@ -9,45 +9,41 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from server.api.anthropic_protocol import parse_messages_request
-from server.api.body import read_json
-from server.api.protocol import ChatRequest
-from server.api.serving import Generation, answer_for_batch, respond
+from server.api.admission import Admission, admit, read_request
+from server.api.anthropic.protocol import parse_messages_request
+from server.api.auth import tenant
+from server.api.generation.protocol import ChatRequest
+from server.api.generation.tools import parsed_arguments
+from server.api.generation.turn import Piece, Turn, count_prompt_tokens, pieces, start_turn
 from server.api.state import ServerState
-from server.api.tools import parsed_arguments
-from server.api.turn import Piece, Turn, count_prompt_tokens, pieces, start_turn
 from server.api.usage import TokenCount
 
 
 async def create_message(request: Request) -> Response:
-    return await respond(request, parse_messages_request, _start, "anthropic")
+    state, req = await read_request(request, parse_messages_request)
+    async with admit(state, req, tenant(request)) as place:
+        run = await start_message(state, req, place)
+        if req.stream:
+            return place.stream(run.stream(), "anthropic")
+        return await place.answer(request, run.collect())
 
 
 async def count_tokens(request: Request) -> Response:
-    state: ServerState = request.app.state.server
-    body = await read_json(request, state.settings.max_body_bytes)
-    state.ready_engine()
-    req = parse_messages_request(body, state.vocab_size, count_only=True)
+    state, req = await read_request(request, partial(parse_messages_request, count_only=True))
     state.check_model(req.model)
     return JSONResponse({"input_tokens": await count_prompt_tokens(state, req, "messages")})
 
 
-async def messages_answer(state: ServerState, body: dict[str, Any], salt: str, priority: int
-                          ) -> dict[str, Any]:
-    """The `message` a plain request with this body gets (for Message Batches)."""
-    return await answer_for_batch(state, body, salt, priority, parse_messages_request, _start)
-
-
-async def _start(state: ServerState, req: ChatRequest, salt: str, priority: int) -> Generation:
-    turn = await start_turn(state, req, salt, priority, f"msg_{uuid.uuid4().hex}", "messages",
-                            "output_config")
-    run = _Run(state, turn)
-    return Generation(run.collect, run.stream)
+async def start_message(state: ServerState, req: ChatRequest, place: Admission) -> MessageRun:
+    turn = await start_turn(state, req, place.owner, place.priority, f"msg_{uuid.uuid4().hex}",
+                            "messages", "output_config")
+    return MessageRun(state, turn)
 
 
 def _stop_reason(piece: Piece) -> tuple[str, str | None]:
@@ -68,7 +64,9 @@ def _tool_input(arguments: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-class _Run:
+class MessageRun:
+    """One Messages request: engine chunks as a `message` or its stream events."""
+
     def __init__(self, state: ServerState, turn: Turn) -> None:
         self.state, self.turn = state, turn
         self.count = TokenCount(turn.num_prompt_tokens)

@@ -9,25 +9,18 @@ through extra_body). Unknown fields are a 400, as Anthropic answers them.
 
 from __future__ import annotations
 
-import datetime
 import json
 from typing import Any
 
 from server.api.errors import invalid, unsupported
-from server.api.protocol import MAX_STOP, ChatRequest, Fields
-from server.api.structured import NAME
-from server.api.tools import EMPTY_PARAMETERS, Tool, ToolUse
+from server.api.fields import Fields
+from server.api.generation.protocol import MAX_STOP, ChatRequest
+from server.api.generation.structured import NAME
+from server.api.generation.tools import EMPTY_PARAMETERS, Tool, ToolUse
 from server.engine.sequence import SamplingParams
 
 UNKNOWN = "{}: Extra inputs are not permitted"
 IGNORED_BLOCK_KEYS = ("cache_control", "citations")  # prefix caching is automatic
-
-
-def rfc3339(timestamp: int | None) -> str | None:
-    """Anthropic's times: RFC 3339 in UTC, from Unix seconds (None stays None)."""
-    if timestamp is None:
-        return None
-    return datetime.datetime.fromtimestamp(timestamp, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def parse_messages_request(body: dict[str, Any], vocab_size: int, count_only: bool = False

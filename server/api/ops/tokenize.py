@@ -19,10 +19,11 @@ from starlette.responses import JSONResponse, Response
 
 from server.api.body import read_json
 from server.api.errors import invalid
-from server.api.protocol import Fields, parse_chat
-from server.api.serving import off_loop
+from server.api.fields import Fields
+from server.api.generation.pipeline import off_loop
+from server.api.generation.protocol import parse_chat
+from server.api.generation.turn import prompt_token_ids
 from server.api.state import ServerState
-from server.api.turn import prompt_token_ids
 
 
 async def tokenize(request: Request) -> Response:

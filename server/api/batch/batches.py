@@ -8,15 +8,17 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from server.api.auth import tenant
-from server.api.batch_worker import ANSWERS
+from server.api.batch.files import expires_after
+from server.api.batch.lines import ENDPOINTS as LINE_ENDPOINTS
 from server.api.body import read_json
 from server.api.errors import APIError, invalid, unsupported
-from server.api.files import expires_after, int_param, owned_row, page
-from server.api.protocol import Fields, parse_metadata
+from server.api.fields import Fields, parse_metadata
+from server.api.owned import owned_row
+from server.api.pagination import int_param, page
 from server.api.state import ServerState
 from storage.batches import MESSAGES, batch_object
 
-ENDPOINTS = tuple(e for e in ANSWERS if e != MESSAGES)  # Anthropic's: message_batches.py
+ENDPOINTS = tuple(e for e in LINE_ENDPOINTS if e != MESSAGES)  # Anthropic's: message_batches.py
 OPENAI_ONLY_ENDPOINTS = ("/v1/moderations",)
 
 

@@ -16,19 +16,17 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
 
 from server.api.errors import APIError, invalid, log
-from server.api.files import int_param
-from server.api.serving import Generation
+from server.api.openai.response_run import ResponseRun
+from server.api.pagination import int_param
 from server.api.sse import sse_response
 from server.api.state import ServerState
-
-if TYPE_CHECKING:
-    from server.api.responses import ResponseRun
 
 UNFINISHED = ("queued", "in_progress")
 KEEP_SECONDS = 600  # a finished response's events, for followers (OpenAI keeps ~10 minutes)
@@ -72,9 +70,23 @@ class BackgroundRun:
             await more.wait()
 
 
-async def start(state: ServerState, run: ResponseRun, owner: str) -> Generation:
-    """Store `run`'s response queued and generate it in a task of its own; the request is
-    answered with the queued response, or with a stream that follows the task's events."""
+@dataclass(slots=True)
+class Queued:
+    """What the request that starts a background response answers: the response as stored
+    queued, or a stream that follows the task's events from the first."""
+
+    response: dict[str, Any]
+    run: BackgroundRun
+
+    async def collect(self) -> dict[str, Any]:
+        return self.response
+
+    def stream(self) -> AsyncIterator[dict[str, Any]]:
+        return self.run.follow(-1)
+
+
+async def start(state: ServerState, run: ResponseRun, owner: str) -> Queued:
+    """Store `run`'s response queued and generate it in a task of its own."""
     _forget_old(state)
     state.hand_on()  # the request's place, kept until the task ends
     bg = BackgroundRun(owner)
@@ -86,11 +98,7 @@ async def start(state: ServerState, run: ResponseRun, owner: str) -> Generation:
         raise
     state.background[queued["id"]] = bg
     bg.task = asyncio.get_running_loop().create_task(_generate(state, run, bg))
-
-    async def collect() -> dict[str, Any]:
-        return queued
-
-    return Generation(collect, lambda: bg.follow(-1))
+    return Queued(queued, bg)
 
 
 async def _generate(state: ServerState, run: ResponseRun, bg: BackgroundRun) -> None:

@@ -19,9 +19,10 @@ from starlette.responses import JSONResponse, Response
 from server.api.auth import tenant
 from server.api.body import read_json
 from server.api.errors import APIError, invalid
-from server.api.files import cursor_page, delete_owned, owned, page, update_metadata
-from server.api.protocol import Fields, parse_metadata
-from server.api.responses_protocol import input_messages, message_items
+from server.api.fields import Fields, parse_metadata
+from server.api.openai.responses_protocol import input_messages, message_items
+from server.api.owned import delete_owned, owned, update_metadata
+from server.api.pagination import cursor_page, page
 from server.api.state import ServerState
 
 MAX_ITEMS_AT_ONCE = 20  # items one create or add takes, as OpenAI
