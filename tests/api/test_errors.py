@@ -38,7 +38,8 @@ def chat(**fields):
     return {"model": MODEL, "messages": MSG} | fields
 
 
-@pytest.mark.parametrize(("body", "param"), [
+# (body, the field its 400 names): tests/api/generation/test_protocol.py parses them too
+BAD_CHAT = [
     ({"messages": MSG}, "model"),
     ({"model": MODEL}, "messages"),
     (chat(messages=[]), "messages"),
@@ -122,7 +123,10 @@ def chat(**fields):
     (chat(prompt_cache_options={"ttl": 30}), "prompt_cache_options.ttl"),
     (chat(prompt_cache_options={"size": 1}), "prompt_cache_options.size"),
     (chat(moderation={"model": "omni-moderation-latest"}), "moderation"),
-])
+]
+
+
+@pytest.mark.parametrize(("body", "param"), BAD_CHAT)
 def test_invalid_chat_fields_name_the_param(http, body, param):
     assert_error(http.post(CHAT, json=body), 400, param)
 
@@ -135,7 +139,7 @@ def test_an_unsupported_schema_keyword_is_named(http):
     assert '"if"' in error["message"] and '"then"' in error["message"]
 
 
-@pytest.mark.parametrize(("body", "param"), [
+BAD_COMPLETION = [
     ({"model": MODEL}, "prompt"),
     ({"model": MODEL, "prompt": []}, "prompt"),
     ({"model": MODEL, "prompt": [1, "a"]}, "prompt"),
@@ -144,7 +148,10 @@ def test_an_unsupported_schema_keyword_is_named(http):
     ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, "max_tokens"),
     ({"model": MODEL, "prompt": "hi", "logprobs": 99}, "logprobs"),
     ({"model": MODEL, "prompt": "hi", "suffix": "end"}, "suffix"),
-])
+]
+
+
+@pytest.mark.parametrize(("body", "param"), BAD_COMPLETION)
 def test_invalid_completion_fields_name_the_param(http, body, param):
     assert_error(http.post(COMPLETIONS, json=body), 400, param)
 

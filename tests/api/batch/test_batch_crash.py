@@ -8,9 +8,9 @@ import time
 
 import openai
 
+from tests.api.batch.test_batches import chat_line, read_lines, submit, wait
 from tests.api.conftest import MODEL
 from tests.api.server import ServerProcess, home_with_models
-from tests.api.test_batches import chat_line, read_lines, submit, wait
 
 
 def test_kill_9_mid_batch_then_restart_completes_each_line_once(tiny_home, tmp_path):

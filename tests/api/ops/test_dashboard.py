@@ -14,9 +14,9 @@ import time
 import httpx
 import pytest
 
+from tests.api.batch.test_batches import jsonl
 from tests.api.conftest import API_KEY, MODEL
 from tests.api.server import num_aborted, own_server
-from tests.api.test_batches import jsonl
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 # CI installs Chromium (.ci/run): there a missing browser fails; elsewhere these tests skip.

@@ -85,7 +85,7 @@ def test_file_expiry_seconds(http):
 def test_batch_expiry_and_lines_with_huge_numbers(client, http):
     """The batch API's own numbers, and the same values inside batch lines: each line ends in
     the output (200) or the error file (400), never a 5xx, and the batch completes."""
-    from tests.api.test_batches import chat_line, read_lines, submit, wait
+    from tests.api.batch.test_batches import chat_line, read_lines, submit, wait
 
     f = client.files.create(file=("in.jsonl", b""), purpose="batch")
     for value in VALUES:

@@ -8,8 +8,8 @@ import socket
 import pytest
 
 from cli.main import main
+from tests.api.batch.test_batches import chat_line
 from tests.api.conftest import API_KEY
-from tests.api.test_batches import chat_line
 
 
 @pytest.fixture

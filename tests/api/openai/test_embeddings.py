@@ -12,9 +12,9 @@ import pytest
 import torch
 from torch.nn import functional as F
 
+from tests.api.batch.test_batches import jsonl, read_lines, wait
 from tests.api.conftest import API_KEY, MODEL
 from tests.api.server import own_server
-from tests.api.test_batches import jsonl, read_lines, wait
 from tests.helpers import hf_config, make_tokenizer, pull_into
 
 TEXTS = ["The sea is calm tonight.", "A cat sat on the mat.", "Hello", "Embeddings!"]

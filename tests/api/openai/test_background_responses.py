@@ -149,7 +149,7 @@ def test_background_requests_that_cannot_be_are_refused(client, server):
 
 
 def test_a_background_line_in_a_batch_is_an_error_line(client):
-    from tests.api.test_batches import jsonl, read_lines, wait
+    from tests.api.batch.test_batches import jsonl, read_lines, wait
 
     line = {"custom_id": "bg", "method": "POST", "url": "/v1/responses",
             "body": {"model": MODEL, "input": "hi", "background": True}}

@@ -318,7 +318,7 @@ def batch_tokens(server) -> tuple[int, int]:
 
 
 def test_responses_through_the_batch_api(client, server):
-    from tests.api.test_batches import jsonl, read_lines, wait
+    from tests.api.batch.test_batches import jsonl, read_lines, wait
 
     before = batch_tokens(server)
     bodies = [{"model": MODEL, "input": f"Question {i}", "max_output_tokens": 6,

@@ -13,9 +13,9 @@ import httpx
 import openai
 import pytest
 
+from tests.api.batch.test_batches import chat_line, submit
 from tests.api.conftest import API_KEY, MODEL, OTHER_KEY
 from tests.api.server import ServerProcess, home_with_models
-from tests.api.test_batches import chat_line, submit
 
 # Answers the grammar keeps long: a JSON string of 2,000 to 2,100 characters (no end of text
 # before it; closed well within 3,000 tokens), so a batch of them is still running when the test

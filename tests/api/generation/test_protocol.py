@@ -1,0 +1,86 @@
+"""The chat and completions parsers alone, no server: each bad body of the HTTP tests
+(tests/api/test_errors.py) is a 400 naming the same field here, and good bodies parse into
+exactly the request the engine gets."""
+
+from __future__ import annotations
+
+import pytest
+
+from server.api.errors import APIError
+from server.api.generation.protocol import parse_chat, parse_completion
+from tests.api.test_errors import BAD_CHAT, BAD_COMPLETION
+
+VOCAB = 1000
+MSG = [{"role": "user", "content": "hi"}]
+# Refused later than the parser: a schema's or a tool's parameters are checked when their
+# grammar compiles (turn.py), an empty prompt once it is tokenized (pipeline.with_max_tokens).
+AFTER_PARSING = {"tools", "functions", "response_format", "prompt"}
+
+
+def refused(parse, body) -> APIError:
+    with pytest.raises(APIError) as e:
+        parse(body, VOCAB)
+    assert e.value.status == 400 and e.value.message
+    return e.value
+
+
+@pytest.mark.parametrize(("body", "param"), BAD_CHAT)
+def test_bad_chat_bodies_name_their_field(body, param):
+    try:
+        parse_chat(body, VOCAB)
+    except APIError as e:
+        assert (e.status, e.param) == (400, param), e.message
+    else:
+        assert param in AFTER_PARSING, f"{param}: parsed"
+
+
+@pytest.mark.parametrize(("body", "param"), BAD_COMPLETION)
+def test_bad_completion_bodies_name_their_field(body, param):
+    try:
+        parse_completion(body, VOCAB)
+    except APIError as e:
+        assert (e.status, e.param) == (400, param), e.message
+    else:
+        assert param in AFTER_PARSING, f"{param}: parsed"
+
+
+def test_a_full_chat_body_parses_into_the_engine_request():
+    req = parse_chat({
+        "model": "m", "messages": MSG, "max_completion_tokens": 12, "temperature": 0.5,
+        "top_p": 0.9, "n": 2, "seed": 7, "stop": "END", "logprobs": True, "top_logprobs": 3,
+        "stream": True, "stream_options": {"include_usage": True}, "logit_bias": {"5": -100},
+        "store": True, "metadata": {"k": "v"}, "user": "u"}, VOCAB)
+    assert (req.model, req.max_tokens, req.stream, req.include_usage) == ("m", 12, True, True)
+    assert req.messages == MSG and req.store and req.metadata == {"k": "v"}
+    assert req.user == "u" and req.tool_use is None and req.output_schema is None
+    p = req.params
+    assert (p.temperature, p.top_p, p.n, p.seed, p.stop) == (0.5, 0.9, 2, 7, ("END",))
+    assert (p.logprobs, p.top_logprobs, p.logit_bias) == (True, 3, {5: -100.0})
+
+
+def test_chat_defaults():
+    req = parse_chat({"model": "m", "messages": MSG}, VOCAB)
+    assert req.max_tokens is None  # the rest of the context, filled in by the turn
+    assert (req.stream, req.include_usage, req.store, req.continue_final) == (
+        False, False, False, False)
+    assert (req.params.temperature, req.params.n, req.params.stop) == (1.0, 1, ())
+
+
+def test_tools_and_a_schema_parse_into_the_turn_request():
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    req = parse_chat({"model": "m", "messages": MSG, "tools": [tool],
+                      "tool_choice": "required"}, VOCAB)
+    assert [t.name for t in req.tool_use.tools] == ["f"] and req.tool_use.forced
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    req = parse_chat({"model": "m", "messages": MSG, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}, VOCAB)
+    assert req.output_schema == schema
+
+
+def test_completion_prompts_of_text_and_token_ids():
+    req = parse_completion({"model": "m", "prompt": ["a", "b"], "max_tokens": 3, "echo": True,
+                            "logprobs": 2}, VOCAB)
+    assert (req.prompts, req.max_tokens, req.echo, req.logprobs) == (["a", "b"], 3, True, 2)
+    req = parse_completion({"model": "m", "prompt": [[1, 2], [3]]}, VOCAB)
+    assert req.prompts == [[1, 2], [3]]
+    assert refused(parse_completion, {"model": "m", "prompt": [VOCAB]}).param == "prompt"
