@@ -14,7 +14,7 @@ ENV PYTHONUNBUFFERED=1 \
     PATH=/opt/venv/bin:$PATH
 
 # CUDA bases ship without Python; python:* bases already have it. gcc: the CPU kernels
-# (server/quant/*.c, server/models/layer_ops.c) are compiled on first use for the CPU they
+# (server/kernels/*.c) are compiled on first use for the CPU they
 # run on; without a compiler PyTorch's kernels run instead, several times slower.
 RUN apt-get update \
     && (command -v python3 >/dev/null \

@@ -8,7 +8,7 @@
 # - /proc/cpuinfo without the AVX-512, AMX and AVX-VNNI flags (bound over it in a new mount
 #   namespace: unshare, as root or in a user namespace), so localserve picks its kernels and
 #   compute dtype by itself as there (avx2_gemm.c, fp32 compute);
-# - the C helpers compiled for Haswell (a compiler wrapper in CC; native.py's cache in
+# - the C helpers compiled for Haswell (a compiler wrapper in CC; loader.py's cache in
 #   LOCALSERVE_NATIVE_CACHE, default ~/.cache/localserve-avx2, apart from the real builds);
 # - PyTorch, oneDNN and MKL held to AVX2.
 # What it cannot hide: the cores' own speed (ports, caches, memory), which an AVX2-only CPU's

@@ -36,7 +36,7 @@ import httpx
 import random_gguf  # benchmarks/random_gguf.py, beside this script
 
 from cli.bench import plot
-from server.quant import native
+from server.kernels import loader as native
 from storage.models import ModelStore, home_dir
 
 RESULTS = Path(__file__).parent / "results"

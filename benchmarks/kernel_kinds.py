@@ -26,7 +26,8 @@ ROW = re.compile(r"^\| (?P<name>[^|]+) \| (?P<dtype>\w+) \| (?P<cells>.*) \| [^|
 
 def kinds() -> list[str]:
     """The kinds this CPU runs, in the order layers try them."""
-    from server.quant import cpu_gemm, native
+    from server.kernels import cpu_gemm
+    from server.kernels import loader as native
 
     return cpu_gemm.kinds_for(native.cpu_flags(), native.cpu_vendor())
 

@@ -56,9 +56,9 @@ def attention(dtype: torch.dtype, seqs: int, context: int):
 
 
 def our_kernels(rows: tuple[int, ...]) -> None:
-    """Our int4/int8 libraries (server/quant/cpu_gemm.py), every kind this CPU runs, side by
+    """Our int4/int8 libraries (server/kernels/cpu_gemm.py), every kind this CPU runs, side by
     side on the same weights: microseconds per call, the best of 3 rounds of `calls`."""
-    from server.quant import cpu_gemm
+    from server.kernels import cpu_gemm
 
     libs = {kind: lib for kind in cpu_gemm.SOURCES if (lib := cpu_gemm.of_kind(kind))}
     g = torch.Generator().manual_seed(0)

@@ -12,7 +12,7 @@ from tests.helpers import hf_model, pull_into, save_hf_folder
 
 @pytest.fixture(scope="session", autouse=True)
 def native_cache(tmp_path_factory):
-    """One folder of compiled kernels for every home of the run (server/quant/native.py): each
+    """One folder of compiled kernels for every home of the run (server/kernels/loader.py): each
     fresh home compiled avx2_gemm.c and layer_ops.c again, 3-4 s each, ~20 homes a run."""
     if "LOCALSERVE_NATIVE_CACHE" not in os.environ:
         os.environ["LOCALSERVE_NATIVE_CACHE"] = str(tmp_path_factory.mktemp("native"))

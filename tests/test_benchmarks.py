@@ -91,7 +91,8 @@ def test_machine_kinds_tell_the_cpus_apart(monkeypatch):
 PROXY_CHECK = """
 import os, subprocess, torch
 from server.models.device import pick_dtype
-from server.quant import cpu_gemm, native
+from server.kernels import cpu_gemm
+from server.kernels import loader as native
 flags = native.cpu_flags()
 print(sorted(f for f in flags if f.startswith(("avx512", "amx", "avx_vnni"))))
 print(cpu_gemm.kinds_for(flags, native.cpu_vendor())[0], pick_dtype(torch.device("cpu"), None, 16))

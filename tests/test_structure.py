@@ -131,6 +131,7 @@ def test_api_sub_packages_import_only_downward():
     ("server.engine", ("server.api", "cli")),
     ("server.models", ("server.engine", "server.api", "cli")),
     ("server.quant", ("server.models", "server.engine", "server.api", "cli")),
+    ("server.kernels", ("server.quant", "server.models", "server.engine", "server.api", "cli")),
     ("storage", ("server.api", "cli")),
 ])
 def test_packages_import_one_way(lower, higher):
@@ -149,6 +150,18 @@ def test_no_thread_local_no_huge_module_no_long_function():
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 length = node.end_lineno - node.lineno + 1
                 assert length <= 80, f"{path}:{node.lineno} {node.name} has {length} lines"
+
+
+def test_kernels_are_one_package_whose_sources_include_only_headers():
+    """Every C source is in server/kernels; a .c includes headers only, and the bf16
+    conversion (NaN-safe) is written once, in common.h."""
+    kernels = ROOT / "server/kernels"
+    assert {p.parent for p in (ROOT / "server").rglob("*.[ch]")} == {kernels}
+    for source in kernels.glob("*.[ch]"):
+        included = re.findall(r'#include\s+"([^"]+)"', source.read_text())
+        assert all(name.endswith(".h") for name in included), (source.name, included)
+        defines = re.findall(r"uint16_t float_to_bf16\(float", source.read_text())
+        assert len(defines) == (source.name == "common.h"), source.name
 
 
 def test_readme_is_short_and_the_reference_docs_exist():

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-import server.models.layer_ops as layer_ops
+import server.kernels.layer_ops as layer_ops
 
 QUERY_TILE = 64  # prompt positions per attention tile (tiles aligned to the sequence start)
 CONTEXT_TILE = 64  # context positions per tile of a generated token's attention

@@ -3,7 +3,7 @@
 At one sequence a layer's kernels take ~100 us and the Python around them took as much again:
 nine module calls, the quantized layers' dispatch, each C helper's checks and allocations, the
 attention groups' bookkeeping. When every row of a step is a generated token, the layers are
-int4 or int8 in our kernels' layout (cpu_gemm.py) or unquantized ones that dense_gemm.h takes,
+int4 or int8 in our kernels' layout (cpu_gemm.py) or unquantized ones that dense_gemm.c takes,
 and layer_ops.c is built, `DecodePlan.run`
 calls the same C functions on the same inputs with every shape checked once when the plan is
 built, into buffers allocated once per step, and the same PyTorch operators for the residual
@@ -20,13 +20,13 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-import server.models.layer_ops as layer_ops
-import server.quant.cpu_gemm as cpu_gemm
+import server.kernels.cpu_gemm as cpu_gemm
+import server.kernels.layer_ops as layer_ops
 from server.models.linear import Linear
 from server.quant.int4 import Int4Linear
 from server.quant.int8 import Int8Linear
 
-Packed = Int4Linear | Int8Linear | Linear  # Linear: an unquantized layer (dense_gemm.h)
+Packed = Int4Linear | Int8Linear | Linear  # Linear: an unquantized layer (dense_gemm.c)
 
 
 @dataclass(slots=True)

@@ -32,7 +32,7 @@ def pick_device(name: str | None = None) -> torch.device:
 @functools.cache
 def cpu_has_native_bf16() -> bool:
     """AVX-512 BF16 or AMX: bf16 matmuls run natively instead of being emulated."""
-    from server.quant import native
+    from server.kernels import loader as native
 
     return bool({"avx512_bf16", "amx_bf16"} & native.cpu_flags())
 
@@ -42,7 +42,7 @@ def cpu_kernels_take_fp32() -> bool:
     group from fp32 ones (from bf16 ones it keeps bf16's rounding): on CPUs without native bf16,
     and on Intel ones with AVX-512 BF16 but no AMX, where its VNNI path is the faster kernel
     (cpu_gemm.kinds_for). By the kind this CPU takes first; nothing is built here."""
-    from server.quant import cpu_gemm
+    from server.kernels import cpu_gemm
 
     return cpu_gemm.KIND == "avx2"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import server.models.layer_ops as layer_ops
+import server.kernels.layer_ops as layer_ops
 from server.quant.rows import GENERATED_TILE, RowSplit, rows_mm, tiled_mm
 
 

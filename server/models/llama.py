@@ -14,8 +14,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-import server.models.layer_ops as layer_ops
-import server.quant.cpu_gemm as cpu_gemm
+import server.kernels.cpu_gemm as cpu_gemm
+import server.kernels.layer_ops as layer_ops
 from server.models.attention import paged_attention
 from server.models.batch import ForwardBatch
 from server.models.config import ModelConfig

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-import server.models.layer_ops as layer_ops
+import server.kernels.layer_ops as layer_ops
 from server.models import model_class
 from server.models.config import ModelConfig
 from server.models.linear import Linear

@@ -74,7 +74,7 @@ def prepare_quantized(model: nn.Module, use_kernels: bool = True) -> None:
     """Let each quantized module pick its kernel for its final device. A tied embedding whose
     LM head moved to our kernels' layout (cpu_gemm.py) then reads its rows from that layout:
     one copy."""
-    from server.quant.cpu_gemm import int8_outputs_from
+    from server.kernels.cpu_gemm import int8_outputs_from
 
     embeddings = {id(m.weight): m for m in model.modules() if isinstance(m, Int8Embedding)}
     for name, module in model.named_modules():
@@ -90,7 +90,7 @@ def prepare_quantized(model: nn.Module, use_kernels: bool = True) -> None:
 def cpu_kernels(model: nn.Module) -> str | None:
     """What a CPU model's quantized layers run (after prepare_quantized), said once at load:
     our kernels (their source), or PyTorch's where ours did not build. None: none quantized."""
-    from server.quant.cpu_gemm import source_in_use
+    from server.kernels.cpu_gemm import source_in_use
 
     layers = [m for m in model.modules() if isinstance(m, Int4Linear | Int8Linear)]
     if not layers:

@@ -13,8 +13,8 @@ import functools
 import torch
 from torch import nn
 
-import server.quant.cpu_gemm as cpu_gemm
-import server.quant.native as native
+import server.kernels.cpu_gemm as cpu_gemm
+import server.kernels.loader as native
 import server.quant.rows as quant_rows
 from server.quant.rows import PACKED_TILE, RowSplit, kernel_rows_independent, rows_mm, tiled_rows
 

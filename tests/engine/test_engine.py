@@ -332,8 +332,8 @@ def test_the_default_dtypes_follow_the_cpu_and_its_kernels(llama, monkeypatch, n
 def test_the_kernels_said_to_take_fp32_do():
     """What pick_dtype reads before anything is built is what the library of this CPU's first
     kind does (every CI machine has one: AVX2 at least)."""
+    from server.kernels import cpu_gemm
     from server.models import device
-    from server.quant import cpu_gemm
 
     lib = cpu_gemm.of_kind(cpu_gemm.KIND)
     assert lib is not None
@@ -359,7 +359,7 @@ def test_prompt_rows_give_the_same_logprobs_however_they_are_computed(llama_quan
     the prefix cache or among decoding sequences gives the same logprobs bit for bit (with a row-
     count threshold instead, the cached run's tail took the other kernel and real-model greedy text
     diverged)."""
-    from server.quant import cpu_gemm
+    from server.kernels import cpu_gemm
     from server.quant.int4 import checked_unpack
 
     monkeypatch.setattr(cpu_gemm, "PROMPTS_UNPACKED", prompts_unpacked)

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import server.kernels.layer_ops as layer_ops
 import server.models.attention as attention
-import server.models.layer_ops as layer_ops
 from server.engine.engine import Engine, EngineConfig
 from server.engine.sequence import PRIORITY_BATCH, SamplingParams, Sequence
 from server.models.config import ModelConfig
@@ -130,7 +130,7 @@ def test_plain_avx2_activations_keep_a_request_the_same_however_computed(int4_we
                                                                         monkeypatch, tmp_path):
     """On plain AVX2's default (int8 activations for every int4 layer but q/k/v; avx2_gemm.c
     built for Haswell, so on every AVX2 machine): a seeded request the same however computed."""
-    from server.quant import cpu_gemm
+    from server.kernels import cpu_gemm
     from server.quant.int4 import Int4Linear
     from tests.quant.test_quant import KERNEL_KINDS, build_avx2_gemm
 
@@ -235,11 +235,11 @@ def test_a_follow_up_turn_is_the_same_whatever_the_cache_holds_of_the_reply(weig
 def test_decode_steps_take_the_decode_plan_and_give_the_modules_numbers(weights, dtype,
                                                                         monkeypatch):
     """Steps of decodes only run through decode_plan.py where the layers are int4 or int8 in
-    our kernels' layout, or unquantized (dense_gemm.h), in either compute dtype (fp32 where the
+    our kernels' layout, or unquantized (dense_gemm.c), in either compute dtype (fp32 where the
     kernels take bf16 only: x rounded and their outputs widened, as the layers do); the same
     request with the plan off (the modules) gets the same tokens and logprobs bit for bit."""
+    from server.kernels import cpu_gemm
     from server.models.decode_plan import DecodePlan
-    from server.quant import cpu_gemm
 
     model = build_model(*weights, CPU, dtype)
     plan = model._decode_plan()

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import server.models.layer_ops as layer_ops
-import server.quant.native as native
+import server.kernels.layer_ops as layer_ops
+import server.kernels.loader as native
 from server.models import attention
 from server.models.attention import build_metadata
 from server.models.simple import greedy_generate, prompt_logits
@@ -208,7 +208,7 @@ def test_model_without_layer_ops_matches_transformers(arch, pytorch_only):
 def test_no_compiler_means_pytorch(tmp_path, monkeypatch):
     monkeypatch.setenv("LOCALSERVE_HOME", str(tmp_path))
     monkeypatch.setenv("CC", "/nonexistent/cc")
-    assert native._open(layer_ops.SOURCE) is None
+    assert native._open(layer_ops.SOURCES) is None
 
 
 @pytest.mark.skipif(not {"avx2", "fma"} <= native.cpu_flags(), reason="needs AVX2 and FMA")
@@ -221,8 +221,8 @@ def test_built_for_an_avx2_only_cpu_it_passes_its_check(tmp_path):
 
     out = tmp_path / "layer_ops.so"
     subprocess.run([shutil.which("cc") or shutil.which("gcc"), "-O3", "-march=haswell",
-                    *native.FLAGS[2:], "-fopenmp", "-o", str(out), str(layer_ops.SOURCE), "-lm"],
-                   check=True, capture_output=True)
+                    *native.FLAGS[2:], "-fopenmp", "-o", str(out),
+                    *map(str, layer_ops.SOURCES), "-lm"], check=True, capture_output=True)
     disassembly = subprocess.run(["objdump", "-d", str(out)], capture_output=True, text=True)
     assert disassembly.returncode != 0 or "zmm" not in disassembly.stdout
     assert layer_ops._self_check(layer_ops.typed(ctypes.CDLL(str(out)))) is None

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from server.kernels.loader import cpu_flags, cpu_vendor
 from server.quant import apply_quantization, quantize_state_dict
 from server.quant.int4 import (
     Int4Linear,
@@ -19,7 +20,6 @@ from server.quant.int4 import (
     unpack_int4,
 )
 from server.quant.int8 import Int8Embedding, Int8Linear, dequantize_int8, quantize_int8
-from server.quant.native import cpu_flags, cpu_vendor
 from server.quant.rows import tiled_linear
 
 
@@ -158,7 +158,7 @@ def test_our_kernels_serve_every_cpu_with_avx2_or_avx512_bf16():
     """With a C compiler (the project's machines and CI have one) the kernels of the CPU's kind
     are built and pass their check: amx_gemm.c with AMX, avx512_gemm.c with AVX-512 BF16,
     avx2_gemm.c with AVX2 + FMA only; PyTorch's elsewhere."""
-    from server.quant import cpu_gemm
+    from server.kernels import cpu_gemm
 
     assert cpu_gemm.kinds_for(FLAGS, cpu_vendor()) == KERNEL_KINDS
     assert cpu_gemm._kinds() == cpu_gemm.KINDS  # the CPU's, unless LOCALSERVE_CPU_KERNELS says
@@ -174,7 +174,8 @@ def test_our_kernels_serve_every_cpu_with_avx2_or_avx512_bf16():
 
 def test_the_kernel_kind_follows_the_cpu_and_can_be_forced_to_another_it_runs(
         monkeypatch, caplog):
-    from server.quant import cpu_gemm, native
+    from server.kernels import cpu_gemm
+    from server.kernels import loader as native
 
     avx512 = {"avx2", "fma", "f16c", "avx512_bf16", "avx512bw", "avx512_vnni"}
     amx = avx512 | {"amx_bf16", "amx_tile"}
@@ -210,7 +211,7 @@ def test_the_kernel_kind_follows_the_cpu_and_can_be_forced_to_another_it_runs(
 
 def test_a_call_of_no_rows_gives_no_rows(kernel_kind):
     """Every kind takes an empty batch (amx_gemm.c crashed: a tile of 0 rows is invalid)."""
-    from server.quant import cpu_gemm
+    from server.kernels import cpu_gemm
 
     q = torch.randint(0, 16, (64, 64), dtype=torch.uint8)
     layout = cpu_gemm.pack_int4(q, torch.ones(64, 2).half(), torch.zeros(64, 2).half(), 32)
@@ -226,7 +227,7 @@ def test_amx_rows_get_the_same_bits_alone_and_among_others():
     row alone, in a pair or among 40 gets the same bits, for int4 (groups of 32 and 64) and int8
     (bf16 out and fp32 logits), activations spanning 2^-130 to 2^20 (denormals and zeros
     included)."""
-    from server.quant import cpu_gemm
+    from server.kernels import cpu_gemm
 
     lib = cpu_gemm.of_kind("amx")
     g = torch.Generator().manual_seed(5)
@@ -258,7 +259,7 @@ def test_amx_rows_get_the_same_bits_alone_and_among_others():
 def test_a_kind_whose_library_is_refused_hands_over_to_the_next(monkeypatch):
     """amx_gemm.c where the OS refuses AMX state (or any kind whose build or check fails):
     layers take the next kind down this CPU's list, not PyTorch's kernels."""
-    from server.quant import cpu_gemm
+    from server.kernels import cpu_gemm
 
     first, second = KERNEL_KINDS[:2]
     monkeypatch.setattr(cpu_gemm, "KINDS", KERNEL_KINDS)
@@ -273,7 +274,7 @@ def build_avx2_gemm(tmp_path: Path, *march: str):
     import shutil
     import subprocess
 
-    from server.quant import cpu_gemm
+    from server.kernels import cpu_gemm
 
     cc = shutil.which("cc") or shutil.which("gcc")
     out = tmp_path / f"avx2_gemm{len(list(tmp_path.iterdir()))}.so"
@@ -289,7 +290,7 @@ def largest_sums():
     """An int4 layer (groups of 256, every nibble 15) and rows whose every input is its group's
     largest: the int32 sums at their largest (avx2_gemm.c's high-nibble sums are 16x these, just
     under 2^31). With y = x * sum_k ((15 - 8) * scale + zero) within fp16 rounding."""
-    from server.quant import cpu_gemm
+    from server.kernels import cpu_gemm
 
     torch.manual_seed(6)
     scale, zero = torch.rand(32, 2) / 100, torch.randn(32, 2) / 100
@@ -299,7 +300,7 @@ def largest_sums():
 
 
 def test_int4_sums_at_their_largest_do_not_wrap_around(kernel_kind):
-    from server.quant import cpu_gemm
+    from server.kernels import cpu_gemm
 
     layout, x, want = largest_sums()
     computed = 0
@@ -317,7 +318,7 @@ def assert_same_bits(lib, other) -> None:
     """int4 and int8, bf16 and fp32 in and out, at every row count around the AVX2 path's
     passes (6 rows) and its AVX-VNNI split sums (up to 3), the AVX-512 VNNI path's (12) and its
     split sums (up to 6)."""
-    from server.quant import cpu_gemm
+    from server.kernels import cpu_gemm
 
     torch.manual_seed(5)
     q, scale, zero = quantize_int4(torch.randn(96, 192) * 0.05, 64)
@@ -347,7 +348,7 @@ def test_the_avx2_kernels_build_for_haswell_and_pass_their_check(tmp_path):
     """avx2_gemm.c compiled for an AVX2-only CPU (-march=haswell: no AVX-512 registers or
     instructions) passes the same check as the library the server loads, and where that one has
     the AVX-512 VNNI path, gives its bits."""
-    from server.quant import cpu_gemm
+    from server.kernels import cpu_gemm
 
     lib, _, disassembly = build_avx2_gemm(tmp_path, "-march=haswell")
     assert "zmm" not in disassembly and "vpdpwssd" not in disassembly
@@ -384,7 +385,7 @@ def test_plain_avx2_takes_int8_activations_for_the_outputs_asked(tmp_path):
     rounding), ~0.5% from the fp32 product (over 10x int16's error); the outputs before it keep
     int16's bits; each row's numbers its own; bf16 inputs the same way. Groups of 64 keep int16,
     as do the VNNI builds, which have no such path; other int8_from values are refused."""
-    from server.quant import cpu_gemm
+    from server.kernels import cpu_gemm
 
     lib, _, _ = build_avx2_gemm(tmp_path, "-march=haswell")
     torch.manual_seed(8)
@@ -433,7 +434,7 @@ def test_which_layers_take_int8_activations(monkeypatch, caplog):
     """LOCALSERVE_ACTIVATIONS: "mixed" by default (q/k/v int16, the rest int8), "int16" or
     "int8" for all; a bad value is said once and gives the default. Groups other than 32 never
     take int8."""
-    from server.quant import cpu_gemm
+    from server.kernels import cpu_gemm
 
     monkeypatch.delenv("LOCALSERVE_ACTIVATIONS", raising=False)
     assert cpu_gemm.activations_asked() == "mixed"
@@ -459,8 +460,8 @@ def test_a_loaded_model_gives_each_layer_its_activations(monkeypatch, tmp_path):
     """prepare_quantized gives each int4 layer its activations (by its name), and on the plain
     AVX2 library (built for Haswell) the layer then computes that way: with "mixed" the q/k/v
     layer's outputs as with int16 everywhere, the others' as with int8 everywhere."""
+    from server.kernels import cpu_gemm
     from server.models.loader import build_model
-    from server.quant import cpu_gemm
     from tests.helpers import hf_model, our_config
 
     lib, _, _ = build_avx2_gemm(tmp_path, "-march=haswell")
@@ -500,7 +501,7 @@ def test_the_avx_vnni_path_gives_the_haswell_bits(tmp_path):
     import subprocess
     import sys
 
-    from server.quant import cpu_gemm
+    from server.kernels import cpu_gemm
 
     haswell, _, _ = build_avx2_gemm(tmp_path, "-march=haswell")
     vex, path, disassembly = build_avx2_gemm(tmp_path, "-march=haswell", "-mavxvnni")
@@ -508,7 +509,7 @@ def test_the_avx_vnni_path_gives_the_haswell_bits(tmp_path):
     assert "zmm" not in disassembly
     assert not disassembly or "{vex} vpdpwssd" in disassembly
     probe = subprocess.run([sys.executable, "-c", (
-        "import ctypes, sys; from server.quant import cpu_gemm; "
+        "import ctypes, sys; from server.kernels import cpu_gemm; "
         f"sys.exit(cpu_gemm._self_check(cpu_gemm.typed(ctypes.CDLL({str(path)!r}))) is not None)")],
         capture_output=True, cwd=Path(__file__).parents[2])
     if probe.returncode == -signal.SIGILL:
@@ -521,7 +522,7 @@ def test_the_avx_vnni_path_gives_the_haswell_bits(tmp_path):
 @pytest.fixture(params=KERNEL_KINDS)
 def kernel_kind(request, monkeypatch):
     """Each of our kernel libraries this CPU runs, as the one layers use."""
-    from server.quant import cpu_gemm
+    from server.kernels import cpu_gemm
 
     lib = cpu_gemm.of_kind(request.param)
     assert lib is not None  # built and checked on this CPU
@@ -533,7 +534,7 @@ def kernel_kind(request, monkeypatch):
 def int4_layout(request, monkeypatch):
     """Each CPU int4 layout this machine has: our kernels' (each kind it runs) and PyTorch's
     tinygemm pack (everywhere)."""
-    from server.quant import cpu_gemm
+    from server.kernels import cpu_gemm
 
     lib = None if request.param == "tinygemm" else cpu_gemm.of_kind(request.param)
     monkeypatch.setattr(cpu_gemm, "_state", [lib])
@@ -548,7 +549,9 @@ def test_int4_rows_past_the_threshold_run_unpacked_bf16_gemm(rows, int4_layout, 
     dequantization (tinygemm rounds scales to bf16 first), close to the packed kernel's.
     (Our kernels' layout does so where prompts take the unpacked weights: AMX machines held to
     avx512_gemm.c.)"""
-    from server.quant import cpu_gemm, int4, native
+    from server.kernels import cpu_gemm
+    from server.kernels import loader as native
+    from server.quant import int4
 
     monkeypatch.setenv("LOCALSERVE_HOME", str(tmp_path))
     monkeypatch.setattr(cpu_gemm, "PROMPTS_UNPACKED", True)
@@ -579,7 +582,8 @@ def test_int4_gemm_takes_every_row_where_prompts_are_not_unpacked(kernel_kind, m
     """Where prompts are not unpacked (every machine but AMX ones held to avx512_gemm.c), our
     kernels serve prompt rows too: no unpacked copy, inside an engine step
     or outside, and each row the same as alone."""
-    from server.quant import cpu_gemm, rows
+    from server.kernels import cpu_gemm
+    from server.quant import rows
 
     monkeypatch.setattr(cpu_gemm, "PROMPTS_UNPACKED", False)
     q, scale, zero = quantize_int4(torch.randn(128, 64) * 0.05, 32)
@@ -645,7 +649,8 @@ def test_a_tied_embedding_reads_its_heads_layout(kernel_kind):
 def test_the_kernels_a_model_runs_are_named(monkeypatch):
     """Said once at load (async_engine.load_engine): ours, with their source, or PyTorch's
     where ours are not built (no compiler, LOCALSERVE_NO_NATIVE)."""
-    from server.quant import cpu_gemm, cpu_kernels, prepare_quantized
+    from server.kernels import cpu_gemm
+    from server.quant import cpu_kernels, prepare_quantized
 
     def model() -> torch.nn.Module:
         torch.manual_seed(7)
@@ -682,7 +687,7 @@ def test_fp32_activations_go_through_unrounded_where_the_kernels_take_them(kerne
     reference than with x rounded to bf16, rows independent (a layer of no name, so int16 on
     plain AVX2 too); avx512_gemm.c takes bf16 only (the layer rounds x,
     as PyTorch's kernels do)."""
-    from server.quant import cpu_gemm
+    from server.kernels import cpu_gemm
 
     assert cpu_gemm.takes_fp32() == (kernel_kind == "avx2")
     torch.manual_seed(8)
@@ -712,7 +717,7 @@ def test_int4_gemm_rows_are_independent_and_close_to_the_reference(kernel_kind):
     """Our kernels at every row count up to past their blocks of 4, 6 and 12 rows, with the real
     model's group size and widths: each row the same bits as alone, within bf16 rounding of
     fp32."""
-    from server.quant import cpu_gemm
+    from server.kernels import cpu_gemm
 
     torch.manual_seed(4)
     q, scale, zero = quantize_int4(torch.randn(1536, 576) * 0.05, 32)
@@ -726,15 +731,16 @@ def test_int4_gemm_rows_are_independent_and_close_to_the_reference(kernel_kind):
 
 
 def test_native_helper_can_be_turned_off(monkeypatch):
-    from server.quant import native
+    from server.kernels import loader as native
 
     monkeypatch.setenv("LOCALSERVE_NO_NATIVE", "1")
     assert native._load() is None
 
 
 def test_a_helper_is_rebuilt_when_a_header_it_includes_changes(tmp_path, monkeypatch):
-    """layer_ops.c includes paged_attention.h: an edit there must not load the stale build."""
-    from server.quant import native
+    """A source includes a header (the kernels include common.h): an edit there must not load
+    the stale build."""
+    from server.kernels import loader as native
 
     monkeypatch.setenv("LOCALSERVE_HOME", str(tmp_path / "home"))
     (tmp_path / "part.h").write_text("int answer(void) { return 1; }\n")
@@ -748,8 +754,8 @@ def test_a_helper_is_rebuilt_when_a_header_it_includes_changes(tmp_path, monkeyp
 
 
 def test_a_helper_is_rebuilt_when_a_file_its_includes_include_changes(tmp_path, monkeypatch):
-    """amx_gemm.c includes avx512_gemm.c, which includes prefetch.h: two levels down counts."""
-    from server.quant import native
+    """amx_gemm.c includes avx512_gemm.h, which includes common.h: two levels down counts."""
+    from server.kernels import loader as native
 
     monkeypatch.setenv("LOCALSERVE_HOME", str(tmp_path / "home"))
     (tmp_path / "inner.h").write_text("int answer(void) { return 1; }\n")
@@ -766,7 +772,7 @@ def test_a_helper_is_rebuilt_when_a_file_its_includes_include_changes(tmp_path, 
 def test_homes_share_the_folder_native_cache_names(tmp_path, monkeypatch):
     """$LOCALSERVE_NATIVE_CACHE: every home loads the one build there (none in the homes);
     without it the build goes to the home's cache/native."""
-    from server.quant import native
+    from server.kernels import loader as native
 
     (tmp_path / "whole.c").write_text("int answer(void) { return 7; }\n")
     monkeypatch.setenv("LOCALSERVE_NATIVE_CACHE", str(tmp_path / "shared"))
@@ -784,9 +790,10 @@ def test_homes_share_the_folder_native_cache_names(tmp_path, monkeypatch):
 
 def test_the_wheel_ships_every_file_of_the_packages(tmp_path):
     """`pip install .` (the Dockerfile's) compiles the kernels on first use from the installed
-    files: prefetch.h missing from the wheel made every kernel's build fail there, and the layers
-    fell back to PyTorch's kernels. Built as the Dockerfile builds it, from a copy of its files;
-    every file of the packages (the kernels' sources and headers, the dashboard's) is in it."""
+    files: a header (then prefetch.h) missing from the wheel made every kernel's build fail
+    there, and the layers fell back to PyTorch's kernels. Built as the Dockerfile builds it, from
+    a copy of its files; every file of the packages (the kernels' sources and headers, the
+    dashboard's) is in it."""
     import shutil
     import subprocess
     import sys
@@ -806,7 +813,7 @@ def test_the_wheel_ships_every_file_of_the_packages(tmp_path):
     shipped = set(zipfile.ZipFile(wheel).namelist())
     files = {p.relative_to(tree).as_posix() for name in ("server", "cli", "storage")
              for p in (tree / name).rglob("*") if p.is_file()}
-    assert {"server/quant/prefetch.h", "server/quant/avx2_gemm.c"} <= files
+    assert {"server/kernels/common.h", "server/kernels/avx2_gemm.c"} <= files
     assert files - shipped == set()
 
 
@@ -830,7 +837,9 @@ def test_the_unpack_helper_reads_pytorchs_pack_on_avx2_cpus_too():
 def test_native_helper_falls_back(cc, tmp_path, monkeypatch, caplog):
     """No compiler, or one that fails: no helper, said once as a warning, and an int4 layer
     still answers every row with the packed kernel (inside an engine step too)."""
-    from server.quant import cpu_gemm, int4, native, rows
+    from server.kernels import cpu_gemm
+    from server.kernels import loader as native
+    from server.quant import int4, rows
 
     monkeypatch.setenv("LOCALSERVE_HOME", str(tmp_path))
     monkeypatch.setenv("CC", cc)
@@ -861,7 +870,8 @@ def test_int4_rows_take_their_kinds_path_wherever_they_sit(prompt_rows, int4_lay
     """In a step mixing kinds each row gets exactly what it would alone: prompt rows the bf16
     GEMM, generated rows the packed kernel (prompt rows first, last, scattered, none), with the
     engine's kept copies or without."""
-    from server.quant import cpu_gemm, rows
+    from server.kernels import cpu_gemm
+    from server.quant import rows
 
     monkeypatch.setenv("LOCALSERVE_HOME", str(tmp_path))
     monkeypatch.setattr(cpu_gemm, "PROMPTS_UNPACKED", True)
@@ -908,7 +918,7 @@ def test_a_packed_kernel_whose_rows_depend_on_each_other_is_called_in_tiles(monk
     for m in (1, 5, 16, 17, 40):
         assert torch.equal(rows.tiled_rows(dependent, x[:m], rows.PACKED_TILE), alone[:m])
     monkeypatch.setattr(rows, "_independent", {"int8": False})
-    from server.quant import cpu_gemm
+    from server.kernels import cpu_gemm
 
     monkeypatch.setattr(cpu_gemm, "_state", [None])  # PyTorch's int8 kernel, then
     q, scale = quantize_int8(torch.randn(96, 64))

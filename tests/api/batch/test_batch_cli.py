@@ -62,7 +62,7 @@ def test_clear_errors(env, tmp_path, capsys, monkeypatch):
 
 
 def test_an_anthropic_file_goes_to_message_batches(env, tmp_path, capsys):
-    from tests.api.test_message_batches import params
+    from tests.api.anthropic.test_message_batches import params
 
     requests = tmp_path / "messages.jsonl"
     lines = [{"custom_id": f"q-{i}", "params": params(i, max_tokens=3)} for i in range(3)]

@@ -1,6 +1,7 @@
 /* int4 and int8 weights times bf16 activations with AMX tiles (Intel Sapphire Rapids on):
- * the same functions, layouts and arithmetic per group as avx512_gemm.c (included below), with
- * the products summed by TDPBF16PS instead of VDPBF16PS.
+ * the same functions, layouts and arithmetic per group as avx512_gemm.c (its helpers from
+ * avx512_gemm.h; the library is built from both sources), with the products summed by
+ * TDPBF16PS instead of VDPBF16PS.
  *
  * avx512_gemm.c spends 2 VDPBF16PS per row for every pair of inputs and 32 outputs, so from a
  * few rows on it is compute-bound (1536 x 576 at 32 rows: ~3x oneDNN's AMX GEMM). Here a block
@@ -21,16 +22,13 @@
  *
  * The kernel needs the process's permission for AMX state (Linux's arch_prctl
  * ARCH_REQ_XCOMP_PERM); amx_gemm_available() asks once and returns 0 where it is refused or the
- * compiler lacks AMX: the caller then takes avx512_gemm.c.
+ * compiler lacks AMX: the caller then takes avx512_gemm.c's library.
  */
 #define _GNU_SOURCE /* syscall() in unistd.h under -std=c11 (gcc 14 rejects implicit declarations) */
-#define int4_gemm int4_gemm_avx512
-#define int8_gemm int8_gemm_avx512
-#define avx512_gemm_available avx512_gemm_available_here
-#include "avx512_gemm.c"
-#undef int4_gemm
-#undef int8_gemm
-#undef avx512_gemm_available
+#include <stdint.h>
+#include <string.h>
+
+#include "avx512_gemm.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AMX_TILE__) \
     && defined(__AMX_BF16__) && defined(__linux__)
@@ -186,10 +184,10 @@ int amx_gemm_available(void) {
 }
 
 /* As avx512_gemm.c's int4_gemm (same arguments and results but for the order of the sums). */
-int int4_gemm(const uint16_t *x, const uint8_t *packed, uint16_t *y, float *xsum, int64_t m,
-              int64_t n, int64_t k, int64_t group, int64_t int8_from) {
+int amx_int4_gemm(const uint16_t *x, const uint8_t *packed, uint16_t *y, float *xsum, int64_t m,
+                  int64_t n, int64_t k, int64_t group, int64_t int8_from) {
     if (amx_state != 1 || group % CHUNK)
-        return amx_state == 1 ? int4_gemm_avx512(x, packed, y, xsum, m, n, k, group, int8_from)
+        return amx_state == 1 ? avx512_int4_gemm(x, packed, y, xsum, m, n, k, group, int8_from)
                               : 1;
     if (n % 32 || k % group) return 1;
     if (m == 0) return 0;  /* (a tile of 0 rows is not a valid configuration) */
@@ -259,10 +257,10 @@ static void block8_amx(const uint16_t *xp, int64_t k, const int8_t *blk, const f
 }
 
 /* As avx512_gemm.c's int8_gemm. */
-int int8_gemm(const uint16_t *x, const int8_t *packed, const float *scale, void *y, int64_t m,
-              int64_t n, int64_t k, int out_fp32) {
+int amx_int8_gemm(const uint16_t *x, const int8_t *packed, const float *scale, void *y, int64_t m,
+                  int64_t n, int64_t k, int out_fp32) {
     if (amx_state != 1 || k % CHUNK)
-        return amx_state == 1 ? int8_gemm_avx512(x, packed, scale, y, m, n, k, out_fp32) : 1;
+        return amx_state == 1 ? avx512_int8_gemm(x, packed, scale, y, m, n, k, out_fp32) : 1;
     if (n % 32) return 1;
     if (m == 0) return 0;
     int64_t blocks = n / 32;
@@ -290,14 +288,20 @@ int int8_gemm(const uint16_t *x, const int8_t *packed, const float *scale, void 
 
 int amx_gemm_available(void) { return 0; }
 
-int int4_gemm(const void *x, const void *packed, void *y, void *xsum, int64_t m, int64_t n,
-              int64_t k, int64_t group, int64_t int8_from) {
+int amx_int4_gemm(const void *x, const void *packed, void *y, void *xsum, int64_t m, int64_t n,
+                  int64_t k, int64_t group, int64_t int8_from) {
     return 1;
 }
 
-int int8_gemm(const void *x, const void *packed, const void *scale, void *y, int64_t m,
-              int64_t n, int64_t k, int out_fp32) {
+int amx_int8_gemm(const void *x, const void *packed, const void *scale, void *y, int64_t m,
+                  int64_t n, int64_t k, int out_fp32) {
     return 1;
 }
 
 #endif
+
+/* Prompt rows' unpacking is avx512_gemm.c's: the tiles add nothing to it. */
+int amx_int4_unpack_q4x32(const void *packed, void *out, int64_t n, int64_t k, int64_t group,
+                          int64_t k0, int64_t k1) {
+    return avx512_int4_unpack_q4x32(packed, out, n, k, group, k0, k1);
+}

@@ -40,27 +40,12 @@
 #include <stdlib.h>
 #include <string.h>
 
-static inline uint16_t float_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    u += 0x7FFFu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-static inline float bf16_to_float(uint16_t v) {
-    uint32_t u = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
+#include "common.h"  /* bf16, ROWS_CASES, ahead() */
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 
 #define GROUP_HEAD 128 /* bytes of scales and zeros before a group's nibbles */
-/* ahead(): the first pass over a block prefetches its weights */
-#include "prefetch.h"
-#include "row_cases.h" /* ROWS a pass, ROWS_CASES */
 
 static inline int64_t group_bytes(int64_t group) { return GROUP_HEAD + group * 16; }
 
@@ -645,8 +630,8 @@ static int declined(int64_t n, int64_t k, int64_t group, int64_t int8_from) {
 
 /* x: bf16 [m, k]; y: bf16 [m, n]; xsum: avx512_gemm.c's scratch, unused here; int8_from as
  * int4_gemm_f32's. */
-int int4_gemm(const uint16_t *x, const uint8_t *packed, uint16_t *y, float *xsum, int64_t m,
-              int64_t n, int64_t k, int64_t group, int64_t int8_from) {
+int avx2_int4_gemm(const uint16_t *x, const uint8_t *packed, uint16_t *y, float *xsum, int64_t m,
+                   int64_t n, int64_t k, int64_t group, int64_t int8_from) {
     if (declined(n, k, group, int8_from)) return 1;
     float *xf = to_fp32(x, m, k);
     if (!xf) return 1;
@@ -658,16 +643,16 @@ int int4_gemm(const uint16_t *x, const uint8_t *packed, uint16_t *y, float *xsum
 /* fp32 in and out (the compute dtype of CPUs without fast bf16): x and y are never rounded.
  * Outputs int8_from.. (0..n, a multiple of 32; n: none) take the inputs as int8 where this
  * build has that path (avx2_gemm_a8) and groups are 32; elsewhere it changes nothing. */
-int int4_gemm_f32(const float *x, const uint8_t *packed, float *y, float *xsum, int64_t m,
-                  int64_t n, int64_t k, int64_t group, int64_t int8_from) {
+int avx2_int4_gemm_f32(const float *x, const uint8_t *packed, float *y, float *xsum, int64_t m,
+                       int64_t n, int64_t k, int64_t group, int64_t int8_from) {
     if (declined(n, k, group, int8_from)) return 1;
     return gemm4(x, packed, y, m, n, k, group, 1, int8_from);
 }
 
 /* The weight as bf16 [k][n] (transposed), rows [k0, k1): w = (q - 8) * scale + zero in fp32,
  * rounded to nearest even (avx512_gemm.c's, scalar). */
-int int4_unpack_q4x32(const uint8_t *packed, uint16_t *out, int64_t n, int64_t k,
-                      int64_t group, int64_t k0, int64_t k1) {
+int avx2_int4_unpack_q4x32(const uint8_t *packed, uint16_t *out, int64_t n, int64_t k,
+                           int64_t group, int64_t k0, int64_t k1) {
     if (n % 32 || k % group || k0 < 0 || k1 > k || k0 > k1 || k0 % 2 || k1 % 2) return 1;
     int64_t groups = k / group;
     #pragma omp parallel for schedule(static)
@@ -770,8 +755,8 @@ static int gemm8(const float *xf, const int8_t *packed, const float *scale, void
 }
 
 /* x: bf16 [m, k]; scale: fp32 [n]; y: [m, n], bf16 or (out_fp32: logits) fp32. */
-int int8_gemm(const uint16_t *x, const int8_t *packed, const float *scale, void *y, int64_t m,
-              int64_t n, int64_t k, int out_fp32) {
+int avx2_int8_gemm(const uint16_t *x, const int8_t *packed, const float *scale, void *y, int64_t m,
+                   int64_t n, int64_t k, int out_fp32) {
     if (n % 32 || k % 2) return 1;
     float *xf = to_fp32(x, m, k);
     if (!xf) return 1;
@@ -781,8 +766,8 @@ int int8_gemm(const uint16_t *x, const int8_t *packed, const float *scale, void 
 }
 
 /* fp32 in and out. */
-int int8_gemm_f32(const float *x, const int8_t *packed, const float *scale, float *y,
-                  int64_t m, int64_t n, int64_t k) {
+int avx2_int8_gemm_f32(const float *x, const int8_t *packed, const float *scale, float *y,
+                       int64_t m, int64_t n, int64_t k) {
     if (n % 32 || k % 2) return 1;
     return gemm8(x, packed, scale, y, m, n, k, 1);
 }
@@ -791,28 +776,28 @@ int avx2_gemm_available(void) { return 1; }
 
 #else
 
-int int4_gemm(const void *x, const void *packed, void *y, void *xsum, int64_t m, int64_t n,
-              int64_t k, int64_t group, int64_t int8_from) {
+int avx2_int4_gemm(const void *x, const void *packed, void *y, void *xsum, int64_t m, int64_t n,
+                   int64_t k, int64_t group, int64_t int8_from) {
     return 1;
 }
 
-int int4_unpack_q4x32(const void *packed, void *out, int64_t n, int64_t k, int64_t group,
-                      int64_t k0, int64_t k1) {
+int avx2_int4_unpack_q4x32(const void *packed, void *out, int64_t n, int64_t k, int64_t group,
+                           int64_t k0, int64_t k1) {
     return 1;
 }
 
-int int8_gemm(const void *x, const void *packed, const void *scale, void *y, int64_t m,
-              int64_t n, int64_t k, int out_fp32) {
+int avx2_int8_gemm(const void *x, const void *packed, const void *scale, void *y, int64_t m,
+                   int64_t n, int64_t k, int out_fp32) {
     return 1;
 }
 
-int int4_gemm_f32(const void *x, const void *packed, void *y, void *xsum, int64_t m,
-                  int64_t n, int64_t k, int64_t group, int64_t int8_from) {
+int avx2_int4_gemm_f32(const void *x, const void *packed, void *y, void *xsum, int64_t m,
+                       int64_t n, int64_t k, int64_t group, int64_t int8_from) {
     return 1;
 }
 
-int int8_gemm_f32(const void *x, const void *packed, const void *scale, void *y, int64_t m,
-                  int64_t n, int64_t k) {
+int avx2_int8_gemm_f32(const void *x, const void *packed, const void *scale, void *y, int64_t m,
+                       int64_t n, int64_t k) {
     return 1;
 }
 
@@ -821,7 +806,7 @@ int avx2_gemm_available(void) { return 0; }
 #endif
 
 /* 1 where this build has the int8-activation path int4_gemm_f32's int8_from asks for (plain
- * AVX2), else 0. */
+      * AVX2), else 0. */
 #ifdef A8_PATH
 int avx2_gemm_a8(void) { return 1; }
 #else

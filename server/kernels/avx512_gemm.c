@@ -7,7 +7,7 @@
  * nibbles become bf16 through one vpermw table lookup, shared by every row of the call, so one
  * row streams the weights at close to the memory's speed and more rows reuse them from cache.
  *
- * Layout (avx512_gemm.py's pack_int4), one stream read front to back: for each block of 32 outputs,
+ * Layout (cpu_gemm.py's pack_int4), one stream read front to back: for each block of 32 outputs,
  * for each group of inputs, the block's 32 scales and 32 zeros (fp16), then for each pair of
  * inputs (2p, 2p + 1) 32 bytes: byte 2i + h holds q[32b + i, 2p + h] in its low nibble and
  * q[32b + 16 + i, 2p + h] in its high nibble.
@@ -20,12 +20,11 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-#include <immintrin.h>
+#include "common.h"  /* ROWS_CASES, ahead() */
+#include "avx512_gemm.h"
 
-/* ahead(): the first pass over a block prefetches its weights */
-#include "prefetch.h"
-#include "row_cases.h" /* ROWS a pass, ROWS_CASES */
+#if AVX512_GEMM
+
 
 /* Rows [0, r) of x, inputs (2p, 2p + 1), against two vectors of 16 outputs' weight pairs. */
 static inline void dp_rows(__m512 *a0, __m512 *a1, const uint16_t *x, int64_t k, int64_t p,
@@ -37,19 +36,6 @@ static inline void dp_rows(__m512 *a0, __m512 *a1, const uint16_t *x, int64_t k,
         a0[i] = _mm512_dpbf16_ps(a0[i], xv, (__m512bh)w0);
         a1[i] = _mm512_dpbf16_ps(a1[i], xv, (__m512bh)w1);
     }
-}
-
-#define GROUP_HEAD 128  /* bytes of scales and zeros before a group's nibbles */
-
-static inline int64_t group_bytes(int64_t group) { return GROUP_HEAD + group * 16; }
-
-static inline __m512 half16(const uint8_t *p) {
-    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
-}
-
-/* 16 fp32 to bf16, rounded to nearest even. */
-static inline void store_bf16(uint16_t *dst, __m512 v) {
-    _mm256_storeu_si256((__m256i *)dst, (__m256i)_mm512_cvtneps_pbh(v));
 }
 
 /* Rows [0, r) of x (r <= ROWS) against one block of 32 outputs, into y (bf16, row stride n). */
@@ -88,59 +74,10 @@ static inline void block(const uint16_t *x, int64_t k, const float *xsum, int64_
     }
 }
 
-static inline uint16_t float_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    u += 0x7FFFu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-static inline float bf16_to_float(uint16_t v) {
-    uint32_t u = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-/* 16 bf16 -> fp32 (exact). */
-static inline __m512 load_bf16x16(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-
-/* xsum[i * groups + g] = the sum of row i's inputs in group g: 16 lanes over the group, then
- * one fixed tree (a row's sums never depend on the other rows). */
-static void group_sums(const uint16_t *x, float *xsum, int64_t m, int64_t k, int64_t group) {
-    int64_t groups = k / group;
-    for (int64_t i = 0; i < m; i++)
-        for (int64_t g = 0; g < groups; g++) {
-            const uint16_t *xg = x + i * k + g * group;
-            if (group % 16 == 0) {
-                __m512 v = load_bf16x16(xg);
-                for (int64_t j = 16; j < group; j += 16)
-                    v = _mm512_add_ps(v, load_bf16x16(xg + j));
-                xsum[i * groups + g] = _mm512_reduce_add_ps(v);
-                continue;
-            }
-            float s = 0.0f;
-            for (int64_t j = 0; j < group; j++) s = s + bf16_to_float(xg[j]);
-            xsum[i * groups + g] = s;
-        }
-}
-
-/* Nibble v (either half of the index) -> q - 8 as bf16, for vpermw. */
-static __m512i nibble_table(void) {
-    uint16_t t[32];
-    for (int v = 0; v < 32; v++) t[v] = float_to_bf16((float)(v & 15) - 8.0f);
-    __m512i table;
-    memcpy(&table, t, sizeof table);
-    return table;
-}
-
 /* x: bf16 [m, k]; y: bf16 [m, n]; xsum: fp32 [m * k / group] scratch (x's sums per group);
  * int8_from: avx2_gemm.c's (int8 inputs on plain AVX2), unused here. */
-int int4_gemm(const uint16_t *x, const uint8_t *packed, uint16_t *y, float *xsum, int64_t m,
-              int64_t n, int64_t k, int64_t group, int64_t int8_from) {
+int avx512_int4_gemm(const uint16_t *x, const uint8_t *packed, uint16_t *y, float *xsum,
+                     int64_t m, int64_t n, int64_t k, int64_t group, int64_t int8_from) {
     if (n % 32 || k % group || group % 2) return 1;
     int64_t groups = k / group, blocks = n / 32;
     group_sums(x, xsum, m, k, group);
@@ -163,8 +100,8 @@ int int4_gemm(const uint16_t *x, const uint8_t *packed, uint16_t *y, float *xsum
 
 /* The weight as bf16 [k][n] (transposed, so that x @ out is the layer), rows [k0, k1):
  * w = (q - 8) * scale + zero in fp32, rounded to nearest even. For prompt rows (rows.py). */
-int int4_unpack_q4x32(const uint8_t *packed, uint16_t *out, int64_t n, int64_t k,
-                      int64_t group, int64_t k0, int64_t k1) {
+int avx512_int4_unpack_q4x32(const uint8_t *packed, uint16_t *out, int64_t n, int64_t k,
+                             int64_t group, int64_t k0, int64_t k1) {
     if (n % 32 || k % group || k0 < 0 || k1 > k || k0 > k1 || k0 % 2 || k1 % 2) return 1;
     int64_t groups = k / group;
     #pragma omp parallel for schedule(static)
@@ -191,27 +128,6 @@ int int4_unpack_q4x32(const uint8_t *packed, uint16_t *out, int64_t n, int64_t k
     return 0;
 }
 
-/* int8 (avx512_gemm.py's pack_int8): for each block of 32 outputs and each pair of inputs
- * (2p, 2p + 1), 64 bytes: byte 2i + h of the first 32 is q[32b + i, 2p + h], of the next 32
- * q[32b + 16 + i, 2p + h]. The int8 values become bf16 exactly (through fp32). */
-static inline __m512i int8_pairs(const int8_t *p) {
-    __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
-    __m512 hi = _mm512_cvtepi32_ps(
-        _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16))));
-    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
-}
-
-/* Outputs [0, 32) of one row: fp32 (logits) or bf16. */
-static inline void store_outputs(void *y, __m512 v0, __m512 v1, int out_fp32) {
-    if (out_fp32) {
-        _mm512_storeu_ps((float *)y, v0);
-        _mm512_storeu_ps((float *)y + 16, v1);
-    } else {
-        store_bf16((uint16_t *)y, v0);
-        store_bf16((uint16_t *)y + 16, v1);
-    }
-}
-
 static inline void block8(const uint16_t *x, int64_t k, const int8_t *blk, const float *scale,
                           void *y, int64_t n, const int r, int out_fp32, int prefetch) {
     __m512 a0[ROWS], a1[ROWS];
@@ -228,8 +144,8 @@ static inline void block8(const uint16_t *x, int64_t k, const int8_t *blk, const
 }
 
 /* x: bf16 [m, k]; scale: fp32 [n]; y: [m, n], bf16 or (out_fp32: logits) fp32. */
-int int8_gemm(const uint16_t *x, const int8_t *packed, const float *scale, void *y, int64_t m,
-              int64_t n, int64_t k, int out_fp32) {
+int avx512_int8_gemm(const uint16_t *x, const int8_t *packed, const float *scale, void *y,
+                     int64_t m, int64_t n, int64_t k, int out_fp32) {
     if (n % 32 || k % 2) return 1;
     int64_t blocks = n / 32;
     #pragma omp parallel for schedule(static) if (blocks >= 4)
@@ -251,18 +167,18 @@ int avx512_gemm_available(void) { return 1; }
 
 #else
 
-int int4_gemm(const void *x, const void *packed, void *y, void *xsum, int64_t m, int64_t n,
-              int64_t k, int64_t group, int64_t int8_from) {
+int avx512_int4_gemm(const void *x, const void *packed, void *y, void *xsum, int64_t m,
+                     int64_t n, int64_t k, int64_t group, int64_t int8_from) {
     return 1;
 }
 
-int int4_unpack_q4x32(const void *packed, void *out, int64_t n, int64_t k, int64_t group,
-                      int64_t k0, int64_t k1) {
+int avx512_int4_unpack_q4x32(const void *packed, void *out, int64_t n, int64_t k,
+                             int64_t group, int64_t k0, int64_t k1) {
     return 1;
 }
 
-int int8_gemm(const void *x, const void *packed, const void *scale, void *y, int64_t m,
-              int64_t n, int64_t k, int out_fp32) {
+int avx512_int8_gemm(const void *x, const void *packed, const void *scale, void *y, int64_t m,
+                     int64_t n, int64_t k, int out_fp32) {
     return 1;
 }
 

@@ -1,6 +1,6 @@
 /* Unquantized layers' generated rows: y [m, n] = x [m, k] @ w [n, k]^T, reading the layer's own
- * weight in place (row-major, as nn.Linear holds it). Part of layer_ops.c, included after
- * paged_attention.h (vf, VL, loadv, vfma, sum_lanes).
+ * weight in place (row-major, as nn.Linear holds it); built into one library with layer_ops.c
+ * (layer_ops.py).
  *
  * At a few rows PyTorch's GEMM in fixed tiles of 16 rows (rows.py) streamed a bf16 weight at
  * 4-11 GB/s: oneDNN reorders the weight on every call. Here a row's output n is one dot product
@@ -8,6 +8,12 @@
  * fp32 fused multiply-adds otherwise), the lanes of VL consecutive outputs then summed by one
  * fixed tree (sum_lanes): the same instructions for a row whatever rows share the call, so rows
  * are independent. Blocks of DENSE_ROWS rows x DENSE_COLS outputs share their loads. */
+
+#include <stdint.h>
+#include <string.h>
+
+#include "common.h"
+#include "vectors.h"
 
 #if defined(__AVX512BF16__)
 #define DENSE_ROWS 6 /* 24 accumulators of 32 */

@@ -5,6 +5,8 @@
  * token, or a query head) with a fixed sequence of instructions that depends on that row's own
  * sizes only, never on how many rows share the call, so results are batch invariant.
  *
+ * Built into one library with paged_attention.c and dense_gemm.c (layer_ops.py: SOURCES).
+ *
  * Values are fp32 or bf16 (flag `*_bf16`); arithmetic is fp32, bf16 results are rounded to
  * nearest even. Built with -ffp-contract=off: no fused multiply-adds, the same results wherever
  * the compiler vectorizes. Sums over a vector run in 16 interleaved lanes added pairwise.
@@ -14,47 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-static inline float bf16_to_float(uint16_t v) {
-    uint32_t u = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t float_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
-    u += 0x7FFFu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-/* n values from src (fp32 or bf16) into fp32 dst. */
-static inline void load_row(float *dst, const void *src, int64_t n, int bf16) {
-    if (bf16) {
-        const uint16_t *s = (const uint16_t *)src;
-        for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_float(s[i]);
-    } else {
-        memcpy(dst, src, (size_t)n * sizeof(float));
-    }
-}
-
-static inline void store_row(void *dst, const float *src, int64_t n, int bf16) {
-    if (bf16) {
-        uint16_t *d = (uint16_t *)dst;
-        for (int64_t i = 0; i < n; i++) d[i] = float_to_bf16(src[i]);
-    } else {
-        memcpy(dst, src, (size_t)n * sizeof(float));
-    }
-}
-
-#define LANES 16
-
-static inline float lane_sum(float acc[LANES]) {
-    for (int w = LANES / 2; w > 0; w /= 2)
-        for (int l = 0; l < w; l++) acc[l] = acc[l] + acc[l + w];
-    return acc[0];
-}
+#include "common.h"
 
 /* sum a[i] * b[i], in LANES lanes then pairwise; the tail (n % LANES) added last in order. */
 static inline float dot(const float *a, const float *b, int64_t n) {
@@ -67,7 +29,6 @@ static inline float dot(const float *a, const float *b, int64_t n) {
     return s;
 }
 
-#define MAX_DIM 1024  /* the widest head these take */
 #define MAX_HIDDEN 16384  /* the widest row rms_norm takes */
 
 /* RMSNorm of t rows of h values: y = weight * round(x / rms(x)) as the reference implementation
@@ -129,7 +90,3 @@ int rope_store(const void *qkv, int64_t t, int64_t row_stride, int64_t hq, int64
     }
     return 0;
 }
-
-/* The attention kernels (one compilation unit with the helpers above). */
-#include "paged_attention.h"
-#include "dense_gemm.h"

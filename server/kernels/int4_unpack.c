@@ -13,19 +13,7 @@
 #include <stdint.h>
 #include <string.h>
 
-static inline float bf16_to_float(uint16_t v) {
-    uint32_t u = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t float_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    u += 0x7FFFu + ((u >> 16) & 1u);  /* round to nearest even (finite values only) */
-    return (uint16_t)(u >> 16);
-}
+#include "common.h"
 
 int int4pack_to_bf16_t(const uint8_t *packed, const uint16_t *scales_zeros, uint16_t *out,
                        int64_t n, int64_t k, int64_t group, int64_t k0, int64_t k1,

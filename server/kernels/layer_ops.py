@@ -3,11 +3,11 @@
 At decode sizes a PyTorch operator costs a few microseconds whatever it computes, and a layer
 ran ~80 of them (RMSNorm 6, rotary embedding 14, the cache writes 4, decode attention ~25):
 most of a 135M model's step at one sequence. layer_ops.c does RMSNorm, the rotary embedding with
-the cache write, and attention reading the paged pool in place (paged_attention.h): decodes,
+the cache write, and attention reading the paged pool in place (paged_attention.c): decodes,
 and the prompt positions below prompt_positions(), one call each; and dense_mm, an unquantized
-layer's generated rows against its weight in place (dense_gemm.h).
+layer's generated rows against its weight in place (dense_gemm.c).
 
-The library is compiled on first use (server/quant/native.py) and used only after it passed
+The library (SOURCES) is compiled on first use (loader.py) and used only after it passed
 `_self_check` on this machine: each function against the PyTorch reference within rounding, and
 a batch of rows bit for bit against the same rows computed one at a time (batch invariance).
 Otherwise, without a compiler, with LOCALSERVE_NO_NATIVE=1 or for tensors it does not take
@@ -24,12 +24,13 @@ from pathlib import Path
 
 import torch
 
-import server.quant.native as native
+import server.kernels.loader as loader
 
 log = logging.getLogger("localserve")
 
-SOURCE = Path(__file__).with_name("layer_ops.c")
-MAX_DIM, MAX_HIDDEN = 1024, 16384  # as in layer_ops.c
+SOURCES = tuple(Path(__file__).with_name(name)
+                for name in ("layer_ops.c", "paged_attention.c", "dense_gemm.c"))
+MAX_DIM, MAX_HIDDEN = 1024, 16384  # as in common.h and layer_ops.c
 _DTYPES = (torch.float32, torch.bfloat16)
 _P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
 _SIGNATURES = {
@@ -60,14 +61,7 @@ def enabled() -> bool:
 
 
 def _open_checked():
-    lib = native.library(SOURCE)
-    if lib is None:
-        return None
-    problem = _self_check(typed(lib))
-    if problem:
-        log.warning("layer_ops.c failed its check on this machine (%s); using PyTorch", problem)
-        return None
-    return lib
+    return loader.checked(SOURCES, "", lambda lib: _self_check(typed(lib)))
 
 
 def typed(lib):
@@ -181,7 +175,7 @@ def paged_prompt(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 def dense_mm(x: torch.Tensor, weight: torch.Tensor, lib=None,
              fp32_out: bool = False) -> torch.Tensor | None:
     """x [M, K] @ weight [N, K]^T -> [M, N] in x's dtype (fp32 with `fp32_out`: logits), each
-    row computed on its own (dense_gemm.h: an unquantized layer's generated rows). None: not
+    row computed on its own (dense_gemm.c: an unquantized layer's generated rows). None: not
     here."""
     lib = lib or _lib()
     if (lib is None or x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]

@@ -27,13 +27,22 @@ from pathlib import Path
 
 import torch
 
-import server.quant.native as native
+import server.kernels.loader as loader
 
 log = logging.getLogger("localserve")
 
 SOURCES = {"amx": Path(__file__).with_name("amx_gemm.c"),
            "avx512_bf16": Path(__file__).with_name("avx512_gemm.c"),
            "avx2": Path(__file__).with_name("avx2_gemm.c")}
+# Each kind's library: its source, linked with these (amx_gemm.c falls back to avx512_gemm.c's
+# kernels), and the prefix of its entry points (`amx_int4_gemm`: loader.Kernels drops it).
+LINKED = {"amx": (SOURCES["avx512_bf16"],)}
+PREFIXES = {"amx": "amx_", "avx512_bf16": "avx512_", "avx2": "avx2_"}
+
+
+def sources(kind: str) -> tuple[Path, ...]:
+    """The C files of `kind`'s library."""
+    return (SOURCES[kind], *LINKED.get(kind, ()))
 
 
 def kinds_for(flags: set[str], vendor: str) -> list[str]:
@@ -59,7 +68,7 @@ def _kinds() -> list[str]:
     """This machine's kinds in the order layers try them, or from the one LOCALSERVE_CPU_KERNELS
     names (any kind the CPU runs, e.g. `avx2` on an AMX machine, or `torch` for PyTorch's
     kernels: for comparisons; one the CPU lacks is ignored, with a warning)."""
-    runs = kinds_for(native.cpu_flags(), native.cpu_vendor())
+    runs = kinds_for(loader.cpu_flags(), loader.cpu_vendor())
     asked = os.environ.get("LOCALSERVE_CPU_KERNELS")
     if not asked:
         return runs
@@ -86,7 +95,7 @@ BLOCK = 32  # outputs per block of the layout: a layer's out_features must be a 
 # every row takes it; on AVX2 oneDNN's bf16 GEMM is 4x slower than avx2_gemm.c at 64 rows (2.9
 # ms against 0.73 ms for 1536 x 576, measured on Zen 4 limited to AVX2). For int4 and int8
 # layers alike (int8.py).
-PROMPTS_UNPACKED = "amx_bf16" in native.cpu_flags() and KIND != "amx"
+PROMPTS_UNPACKED = "amx_bf16" in loader.cpu_flags() and KIND != "amx"
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _DTYPES = (torch.bfloat16, torch.float32)
 
@@ -258,20 +267,9 @@ def of_kind(kind: str):
     avx2_gemm.c on AVX-512 machines too), or None."""
     with _lock:
         if kind not in _by_kind:
-            lib = _open(SOURCES[kind])
-            problem = lib and _self_check(lib)
-            if problem:
-                log.warning("%s failed its check (%s); using PyTorch's kernel",
-                            SOURCES[kind].name, problem)
-            _by_kind[kind] = None if problem else lib
+            _by_kind[kind] = loader.checked(sources(kind), PREFIXES[kind],
+                                            lambda lib: _self_check(typed(lib)))
         return _by_kind[kind]
-
-
-def _open(source: Path):
-    lib = native.library(source)
-    if lib is None or not getattr(lib, f"{source.stem}_available")():
-        return None
-    return typed(lib)
 
 
 ACTIVATIONS = ("mixed", "int16", "int8")
@@ -309,8 +307,12 @@ def int8_path(lib) -> bool:
     return hasattr(lib, "avx2_gemm_a8") and lib.avx2_gemm_a8() == 1
 
 
-def typed(lib: ctypes.CDLL) -> ctypes.CDLL:
-    """`lib` (one of SOURCES, built) with its functions' ctypes signatures set."""
+def typed(lib):
+    """`lib` (a kind's library, as loader.Kernels or as a plain ctypes.CDLL of one build) with
+    its functions' ctypes signatures set."""
+    if isinstance(lib, ctypes.CDLL):  # its kind: the first whose entry points it has
+        prefix = next(p for p in PREFIXES.values() if hasattr(lib, f"{p}gemm_available"))
+        lib = loader.Kernels(lib, prefix)
     lib.int4_gemm.restype = lib.int4_unpack_q4x32.restype = lib.int8_gemm.restype = ctypes.c_int
     lib.int8_gemm.argtypes = [_P] * 4 + [_I] * 3 + [ctypes.c_int]
     lib.int4_gemm.argtypes = [_P] * 4 + [_I] * 5
