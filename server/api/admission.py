@@ -54,6 +54,13 @@ class Admission:
             self.holds_place = False
             self.state.release()
 
+    async def reply(self, request: Request, run: Any, stream: bool, dialect: str) -> Response:
+        """A started run's reply: its events streamed (`run.stream()`, in `dialect`), or its
+        whole answer (`run.collect()`)."""
+        if stream:
+            return self.stream(run.stream(), dialect)
+        return await self.answer(request, run.collect())
+
     def stream(self, events: AsyncIterator[dict[str, Any]], dialect: str) -> Response:
         """Reply with server-sent events (in `dialect`); the place goes with the stream."""
         handed, self.holds_place = self.holds_place, False

@@ -29,9 +29,7 @@ async def create_message(request: Request) -> Response:
     state, req = await read_request(request, parse_messages_request)
     async with admit(state, req, tenant(request)) as place:
         run = await start_message(state, req, place)
-        if req.stream:
-            return place.stream(run.stream(), "anthropic")
-        return await place.answer(request, run.collect())
+        return await place.reply(request, run, req.stream, "anthropic")
 
 
 async def count_tokens(request: Request) -> Response:

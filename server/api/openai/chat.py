@@ -32,9 +32,7 @@ async def create_chat_completion(request: Request) -> Response:
     state, req = await read_request(request, parse_chat)
     async with admit(state, req, tenant(request)) as place:
         run = await start_chat(state, req, place)
-        if req.stream:
-            return place.stream(run.stream(), "chat")
-        return await place.answer(request, run.collect())
+        return await place.reply(request, run, req.stream, "chat")
 
 
 async def start_chat(state: ServerState, req: ChatRequest, place: Admission) -> ChatRun:

@@ -28,9 +28,7 @@ async def create_completion(request: Request) -> Response:
     state, req = await read_request(request, parse_completion)
     async with admit(state, req, tenant(request)) as place:
         run = await start_completion(state, req, place)
-        if req.stream:
-            return place.stream(run.stream(), "chat")
-        return await place.answer(request, run.collect())
+        return await place.reply(request, run, req.stream, "chat")
 
 
 async def start_completion(state: ServerState, req: CompletionRequest, place: Admission

@@ -41,9 +41,7 @@ async def create_response(request: Request) -> Response:
         run = await start_response(state, req, place)
         if req.background:  # answered queued; a task writes it (background.py)
             run = await background.start(state, run, place.owner)
-        if req.stream:
-            return place.stream(run.stream(), "responses")
-        return await place.answer(request, run.collect())
+        return await place.reply(request, run, req.stream, "responses")
 
 
 def parse_response_line(body: dict[str, Any], vocab_size: int) -> ResponsesRequest:
