@@ -96,7 +96,7 @@ class ServerState:
         self.responses = ResponseStore(self.db)
         self.conversations = ConversationStore(self.db)
         self.chat_completions = ChatCompletionStore(self.db)
-        self.background: dict[str, Any] = {}  # background responses by id (background.py)
+        self.background: dict[str, Any] = {}  # background responses by id (openai/background.py)
         self.worker: Wakeable | None = None  # the BatchWorker, once the model is loaded
         self.grammars: GrammarCompiler | None = None  # once the model is loaded
         # Grammars compile here: never on the event loop, never in the engine's thread, and

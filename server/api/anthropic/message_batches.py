@@ -1,5 +1,5 @@
 """/v1/messages/batches: Anthropic's Message Batches on the durable batch queue of /v1/batches
-(storage/batches.py, batch_worker.py): create, retrieve, list, cancel, results, delete.
+(storage/batches.py, batch/worker.py): create, retrieve, list, cancel, results, delete.
 
 The requests come in the create body, not a file: the batch is stored 'in_progress' with its
 lines in one transaction, so a crash never leaves half a batch. Each request's params are

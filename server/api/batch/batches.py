@@ -1,4 +1,4 @@
-"""/v1/batches: create, retrieve, list, cancel (the queue itself is batch_worker.py)."""
+"""/v1/batches: create, retrieve, list, cancel (the queue itself is worker.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from server.api.pagination import int_param, page
 from server.api.state import ServerState
 from storage.batches import MESSAGES, batch_object
 
-ENDPOINTS = tuple(e for e in LINE_ENDPOINTS if e != MESSAGES)  # Anthropic's: message_batches.py
+ENDPOINTS = tuple(e for e in LINE_ENDPOINTS if e != MESSAGES)  # Anthropic: message_batches
 OPENAI_ONLY_ENDPOINTS = ("/v1/moderations",)
 
 
