@@ -6,6 +6,7 @@ import argparse
 import json
 
 from storage.models import ModelStore
+from storage.sampling import describe, sampling_defaults
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -60,6 +61,7 @@ def show(args: argparse.Namespace) -> int:
         ("path", str(m.path)),
         ("size", f"{m.size_bytes / 1e6:.1f} MB"),
         ("chat template", "yes" if mf["tokenizer"].get("chat_template") else "no"),
+        ("sampling", describe(*sampling_defaults(m.path, mf.get("alias", "")))),
     ]
     lines += [("file", f"{f}  {d[:12]}") for f, d in mf["files"].items()]
     for k, v in lines:

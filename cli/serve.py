@@ -77,6 +77,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--grammar-timeout", type=float, default=10.0, metavar="SECONDS",
                    help="how long a response_format or tools grammar may take to compile "
                    "before the request gets a 400 (default 10)")
+    p.add_argument("--generation-config", default="auto", choices=("auto", "vllm", "none"),
+                   help="auto (default): a request that leaves temperature, top_p, top_k, "
+                   "min_p or repetition_penalty out gets the model's recommended value (its "
+                   "generation_config.json, or the catalogue's); vllm or none: the API's "
+                   "defaults (temperature 1, top_p 1)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads for the model (default: torch's, one per core)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: auto)")
@@ -147,7 +152,8 @@ def run(args: argparse.Namespace) -> int:
             prices=Prices(args.price_input, args.price_output, args.batch_discount),
             batch_window_seconds=args.batch_window,
             batch_max_running=args.batch_max_running, grammar_timeout=args.grammar_timeout,
-            cors_origins=tuple(args.allow_origin or ()))
+            cors_origins=tuple(args.allow_origin or ()),
+            generation_config=args.generation_config)
     except ConfigError as e:
         flag, value = FLAGS.get(e.field, (e.field, None))
         given = f", got {getattr(args, value)}" if value else ""

@@ -61,6 +61,7 @@ def load_into(state: ServerState) -> None:
     """Resolve, verify and load the model (runs in a worker thread)."""
     from server.engine.async_engine import load_engine
     from storage.models import ModelStore
+    from storage.sampling import describe, sampling_defaults
 
     s = state.settings
     if s.threads:
@@ -69,7 +70,11 @@ def load_into(state: ServerState) -> None:
         torch.set_num_threads(s.threads)
     stored = ModelStore().resolve(s.model)
     engine = load_engine(stored, s.engine, s.device, s.dtype)
-    state.attach(engine, stored.name, stored.manifest)
+    defaults, origin = {}, None
+    if s.generation_config == "auto":
+        defaults, origin = sampling_defaults(stored.path, stored.manifest.get("alias", ""))
+    state.attach(engine, stored.name, stored.manifest, defaults)
+    log.info("sampling defaults: %s", describe(defaults, origin))
 
 
 def kv_summary(stats: dict, config, device) -> str:

@@ -26,6 +26,8 @@ from storage.files import FileStore
 from storage.models import home_dir
 from storage.responses import ResponseStore
 
+GENERATION_CONFIGS = ("auto", "vllm", "none")
+
 
 class Wakeable(Protocol):
     wake: asyncio.Event  # set: there is batch work to look at (the BatchWorker)
@@ -51,6 +53,9 @@ class ServerSettings:
     max_file_bytes: int = 200 << 20
     max_batch_lines: int = 50_000
     grammar_timeout: float = 10.0  # seconds a response format or tools grammar may compile
+    # "auto": the model's recommended sampling fills what a request leaves out (its
+    # generation_config.json, or the catalogue's); "vllm" / "none": the API's own defaults.
+    generation_config: str = "auto"
     # Web pages (origins) that may call the API from a browser, besides those on this machine
     # (http(s)://localhost, 127.0.0.1 or [::1], any port); "*": any page.
     cors_origins: tuple[str, ...] = ()
@@ -60,6 +65,9 @@ class ServerSettings:
                  "batch_max_running", "max_file_bytes", "max_batch_lines")
         at_least(self, 0, "drain_timeout")
         at_least(self, 0.001, "grammar_timeout")
+        if self.generation_config not in GENERATION_CONFIGS:
+            raise ConfigError("generation_config",
+                              f"must be one of {', '.join(GENERATION_CONFIGS)}")
         if any(not key.strip() for key in self.api_keys):
             raise ConfigError("api_keys", "must not be empty")
         for origin in self.cors_origins:  # what a browser sends: scheme://host[:port], no path
@@ -88,6 +96,8 @@ class ServerState:
         self.vocab_size = 0
         self.max_request_tokens = 0  # prompt + completion tokens one sequence may hold
         self.pooling: dict[str, Any] | None = None  # an embedding model's pooling
+        # The model's recommended sampling where a request leaves it out (storage/sampling.py)
+        self.sampling_defaults: dict[str, Any] = {}
         self.manifest: dict[str, Any] = {}  # the loaded model's (bits, architecture...)
         home = settings.home or home_dir()
         self.db = Database(home / "localserve.db")
@@ -132,9 +142,12 @@ class ServerState:
             log.exception("writing usage failed")
 
     def attach(self, engine: AsyncEngine, served_name: str,
-               manifest: dict[str, Any] | None = None) -> None:
-        """The loaded model, with its store manifest (bits, pooling...) when it has one."""
+               manifest: dict[str, Any] | None = None,
+               sampling_defaults: dict[str, Any] | None = None) -> None:
+        """The loaded model, with its store manifest (bits, pooling...) when it has one, and
+        its sampling defaults (none where `generation_config` is not "auto")."""
         self.engine, self.tokenizer, self.served_name = engine, engine.tokenizer, served_name
+        self.sampling_defaults = dict(sampling_defaults or {})
         self.manifest = manifest or {}
         self.pooling = self.manifest.get("pooling")  # an embedding model's, else None
         self.vocab_size = engine.vocab_size

@@ -46,6 +46,31 @@ def test_default_model_is_served_and_answers_paris(client):
     assert r.choices[0].finish_reason == "stop"
 
 
+def test_the_readme_request_at_the_model_s_defaults_answers_paris(client, real_server):
+    """The README's first request sends no temperature: the default model's card settings
+    (temperature 0.2, top_p 0.9; the catalogue's, its offline GGUF has none) apply, where the
+    API's temperature 1 wrote nonsense. Not a near tie: greedy, each token up to " Paris"
+    leads the next by more than 1 nat (1.5 at the first, "The" over "L", on a Zen 4), so at
+    temperature 0.2 another is drawn with probability under e^-5 a token."""
+    ask = [{"role": "user", "content": "Name the capital of France."}]
+    greedy = client.chat.completions.create(model="smollm2-135m", messages=ask, max_tokens=32,
+                                            temperature=0, logprobs=True, top_logprobs=2)
+    text = ""
+    for token in greedy.choices[0].logprobs.content:
+        first, second = token.top_logprobs
+        assert first.logprob - second.logprob > 1.0, (text, token.token, second.token)
+        text += token.token
+        if "Paris" in text:
+            break
+    assert text == "The capital of France is Paris"
+    for seed in (1, 2, 3):
+        r = client.chat.completions.create(model="smollm2-135m", messages=ask, max_tokens=32,
+                                           seed=seed)
+        assert "Paris" in r.choices[0].message.content
+    assert "sampling defaults: temperature 0.2, top_p 0.9 (catalogue)" in \
+        real_server.log.read_text()
+
+
 @pytest.mark.parametrize("max_tokens", [40, 41, 42, 43])  # some end inside a character
 def test_vietnamese_stream_has_no_replacement_characters(client, max_tokens):
     kw = dict(model="smollm2-135m:int4", prompt=VIETNAMESE, max_tokens=max_tokens,

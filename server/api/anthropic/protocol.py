@@ -14,7 +14,7 @@ from typing import Any
 
 from server.api.errors import invalid, unsupported
 from server.api.fields import Fields
-from server.api.generation.protocol import MAX_STOP, ChatRequest
+from server.api.generation.protocol import MAX_STOP, ChatRequest, left_out
 from server.api.generation.structured import NAME
 from server.api.generation.tools import EMPTY_PARAMETERS, Tool, ToolUse
 from server.engine.sequence import SamplingParams
@@ -61,7 +61,8 @@ def parse_messages_request(body: dict[str, Any], vocab_size: int, count_only: bo
     return ChatRequest(model=model, params=params, max_tokens=max_tokens, stream=stream,
                        user=user if isinstance(user, str) else None, messages=messages,
                        output_schema=output_schema, tool_use=tool_use,
-                       continue_final=continue_final)
+                       continue_final=continue_final,
+                       left_out=left_out(f, ("temperature", "top_p", "top_k")))
 
 
 def _prefill(messages: list[dict[str, Any]]) -> bool:

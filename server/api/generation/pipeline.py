@@ -23,6 +23,14 @@ async def off_loop(fn: Callable, *args) -> Any:
     return await asyncio.to_thread(fn, *args)
 
 
+def with_model_defaults(state: ServerState, params: SamplingParams, left_out: frozenset[str]
+                        ) -> SamplingParams:
+    """`params` with the model's recommended sampling (storage/sampling.py: its
+    generation_config.json, or the catalogue's) in the fields the request left out."""
+    chosen = {k: v for k, v in state.sampling_defaults.items() if k in left_out}
+    return replace(params, **chosen) if chosen else params
+
+
 def with_max_tokens(state: ServerState, params: SamplingParams, max_tokens: int | None,
                     num_prompt_tokens: int, param: str) -> SamplingParams:
     """Fill in max_tokens (default: the rest of the context) and refuse what cannot fit."""

@@ -19,6 +19,9 @@ from server.engine.sequence import SamplingParams
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
 MAX_STOP = 16
+# The sampling fields a model's recommended settings (storage/sampling.py) fill in where a
+# request leaves them out.
+MODEL_DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 @dataclass(slots=True)
@@ -31,6 +34,16 @@ class GenerateRequest:
     stream: bool = False
     include_usage: bool = False
     user: str | None = None
+    # The sampling fields the request left out: the model's defaults apply to these
+    # (pipeline.with_model_defaults); empty: the request's params are used as they are.
+    left_out: frozenset[str] = frozenset()
+
+
+def left_out(f: Fields, settable: tuple[str, ...] = MODEL_DEFAULTED) -> frozenset[str]:
+    """The MODEL_DEFAULTED fields a body leaves out (absent or null), and those its API has no
+    field for (`settable` names the ones it has)."""
+    return frozenset(name for name in MODEL_DEFAULTED
+                     if name not in settable or f.body.get(name) is None)
 
 
 @dataclass(slots=True)
@@ -94,7 +107,7 @@ def _common(f: Fields, vocab_size: int) -> tuple[dict[str, Any], dict[str, Any]]
     if best_of is not None and best_of != kw["n"]:
         raise unsupported("best_of", "only best_of equal to n")
     other = dict(model=model, stream=stream, include_usage=include_usage,
-                 user=f.str("user"))
+                 user=f.str("user"), left_out=left_out(f))
     f.str("service_tier")
     f.str("safety_identifier")
     cache_hints(f)

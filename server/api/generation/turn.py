@@ -14,7 +14,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from server.api.errors import invalid, unsupported
-from server.api.generation.pipeline import off_loop, stream_engine, with_max_tokens
+from server.api.generation.pipeline import (
+    off_loop,
+    stream_engine,
+    with_max_tokens,
+    with_model_defaults,
+)
 from server.api.generation.protocol import ChatRequest
 from server.api.generation.structured import compile_grammar, schema_grammar
 from server.api.generation.tool_calls import CallDelta, ToolCallParser, open_tag_start
@@ -54,7 +59,8 @@ async def start_turn(state: ServerState, req: ChatRequest, salt: str, priority: 
     """Render, size, constrain and start the request; 400s name `param` (the messages field
     of the protocol) or `schema_param` (where its output schema came from)."""
     prompt_ids = await prompt_token_ids(state, req, param)
-    params = with_max_tokens(state, req.params, req.max_tokens, len(prompt_ids), param)
+    params = with_model_defaults(state, req.params, req.left_out)
+    params = with_max_tokens(state, params, req.max_tokens, len(prompt_ids), param)
     if req.prediction:  # as many tokens as a reply could follow (speculation.py)
         ids = await off_loop(state.tokenizer.encode, req.prediction, False)  # no BOS
         params = replace(params, prediction=tuple(ids[:state.max_request_tokens]))

@@ -15,7 +15,13 @@ from starlette.responses import Response
 
 from server.api.admission import Admission, admit, read_request
 from server.api.auth import tenant
-from server.api.generation.pipeline import merged, off_loop, stream_engine, with_max_tokens
+from server.api.generation.pipeline import (
+    merged,
+    off_loop,
+    stream_engine,
+    with_max_tokens,
+    with_model_defaults,
+)
 from server.api.generation.protocol import CompletionRequest, parse_completion
 from server.api.generation.token_text import TokenText
 from server.api.state import ServerState
@@ -36,7 +42,8 @@ async def start_completion(state: ServerState, req: CompletionRequest, place: Ad
     """One engine request per prompt, started; the run merges their chunks into choices."""
     prompt_ids = await off_loop(_tokenize, state.tokenizer, req.prompts)
     # max_tokens 0 (with echo): one token is computed and not given (CompletionRun)
-    params = [with_max_tokens(state, req.params, max(req.max_tokens, 1), len(ids), "prompt")
+    sampling = with_model_defaults(state, req.params, req.left_out)
+    params = [with_max_tokens(state, sampling, max(req.max_tokens, 1), len(ids), "prompt")
               for ids in prompt_ids]
     rid = new_id("cmpl")
     streams = [stream_engine(state, ids, p, f"{rid}-{i}", place.owner, place.priority)

@@ -21,7 +21,7 @@ from starlette.responses import JSONResponse, Response
 from server.api.admission import Admission, admit, read_request
 from server.api.auth import tenant
 from server.api.errors import APIError, invalid
-from server.api.generation.pipeline import with_max_tokens
+from server.api.generation.pipeline import with_max_tokens, with_model_defaults
 from server.api.generation.turn import Turn, count_prompt_tokens, start_turn
 from server.api.openai import background, conversations
 from server.api.openai.response_run import ResponseRun
@@ -134,6 +134,8 @@ async def start_response(state: ServerState, req: ResponsesRequest, place: Admis
     the input), its oldest items dropped to fit where truncation is "auto"."""
     owner = place.owner
     system, conversation = await _conversation(state, req, owner)
+    sampling = with_model_defaults(state, req.chat.params, req.chat.left_out)
+    req.echo |= {"temperature": sampling.temperature, "top_p": sampling.top_p}  # as it runs
 
     async def start(messages: list[dict[str, Any]]) -> Turn:
         chat = replace(req.chat, messages=system + messages)

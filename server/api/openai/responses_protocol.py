@@ -15,7 +15,7 @@ from typing import Any
 
 from server.api.errors import APIError, invalid, unsupported
 from server.api.fields import Fields
-from server.api.generation.protocol import MAX_TOP_LOGPROBS, ChatRequest, cache_hints
+from server.api.generation.protocol import MAX_TOP_LOGPROBS, ChatRequest, cache_hints, left_out
 from server.api.generation.structured import parse_response_format
 from server.api.generation.tools import parse_tools
 from server.engine.sequence import SamplingParams
@@ -110,7 +110,7 @@ def parse_responses_request(body: dict[str, Any], vocab_size: int) -> ResponsesR
     f.check_unknown()
     chat = ChatRequest(model=model, params=params, max_tokens=max_tokens, stream=stream,
                        user=user, messages=messages, output_schema=output_schema,
-                       tool_use=tool_use)
+                       tool_use=tool_use, left_out=left_out(f, ("temperature", "top_p")))
     echo = {"instructions": instructions, "max_output_tokens": max_tokens,
             "metadata": metadata or {}, "parallel_tool_calls": parallel is not False,
             "previous_response_id": previous, "store": store, "background": background,

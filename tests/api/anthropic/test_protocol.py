@@ -54,3 +54,9 @@ def test_count_tokens_needs_no_max_tokens():
 ])
 def test_refused_message_bodies(fields, param):
     assert refused({"model": "m"} | fields).param == param
+
+
+def test_messages_leave_what_they_cannot_set_to_the_model():
+    req = parse_messages_request({"model": "m", "max_tokens": 5, "messages": USER,
+                                  "top_k": 3}, VOCAB)
+    assert req.left_out == {"temperature", "top_p", "min_p", "repetition_penalty"}

@@ -76,3 +76,14 @@ def test_completion_prompts_of_text_and_token_ids():
     req = parse_completion({"model": "m", "prompt": [[1, 2], [3]]}, VOCAB)
     assert req.prompts == [[1, 2], [3]]
     assert refused(parse_completion, {"model": "m", "prompt": [VOCAB]}).param == "prompt"
+
+
+def test_the_sampling_fields_a_request_leaves_to_the_model():
+    """What the model's recommended sampling may fill (pipeline.with_model_defaults): the fields
+    a body leaves out or sets to null, and those its API has no field for."""
+    every = {"temperature", "top_p", "top_k", "min_p", "repetition_penalty"}
+    assert parse_chat({"model": "m", "messages": MSG}, VOCAB).left_out == every
+    req = parse_chat({"model": "m", "messages": MSG, "temperature": 0, "top_k": None}, VOCAB)
+    assert req.left_out == every - {"temperature"}
+    req = parse_completion({"model": "m", "prompt": "a", "top_p": 0.5, "min_p": 0.1}, VOCAB)
+    assert req.left_out == {"temperature", "top_k", "repetition_penalty"}

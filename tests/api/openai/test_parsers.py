@@ -82,3 +82,8 @@ def test_embedding_inputs():
 ])
 def test_refused_embedding_bodies(fields, param):
     assert refused(parse_embeddings, {"model": "m"} | fields).param == param
+
+
+def test_responses_leave_what_they_cannot_set_to_the_model():
+    req = parse_responses_request({"model": "m", "input": "hi", "temperature": 0.5}, VOCAB)
+    assert req.chat.left_out == {"top_p", "top_k", "min_p", "repetition_penalty"}
