@@ -53,6 +53,9 @@ CATALOGUE: dict[str, CatalogueEntry] = {
     "qwen2.5-0.5b": CatalogueEntry("Qwen/Qwen2.5-0.5B-Instruct"),
     "qwen2.5-1.5b": CatalogueEntry("Qwen/Qwen2.5-1.5B-Instruct"),
     "qwen3-0.6b": CatalogueEntry("Qwen/Qwen3-0.6B"),
+    "smollm3-3b": CatalogueEntry("HuggingFaceTB/SmolLM3-3B"),
+    "granite-3.3-2b": CatalogueEntry("ibm-granite/granite-3.3-2b-instruct"),
+    "granite-3.3-8b": CatalogueEntry("ibm-granite/granite-3.3-8b-instruct"),
 }
 DEFAULT_MODEL = "smollm2-135m"
 

@@ -48,9 +48,16 @@ VOCAB_SIZE = len(tiny_vocab()[0]) + 5  # a few spare rows, as real checkpoints h
 
 def hf_config(arch: str, **overrides):
     """A tiny transformers config of the given family (fp32, 2 layers, GQA 4:2)."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import (
+        GraniteConfig,
+        LlamaConfig,
+        Qwen2Config,
+        Qwen3Config,
+        SmolLM3Config,
+    )
 
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch]
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
+           "granite": GraniteConfig, "smollm3": SmolLM3Config}[arch]
     kwargs = dict(
         vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -58,6 +65,11 @@ def hf_config(arch: str, **overrides):
     )
     if arch == "qwen3":
         kwargs["head_dim"] = 32
+    if arch == "granite":  # every multiplier away from 1 (real ones: 12, 0.22, 1/128, 8)
+        kwargs |= dict(embedding_multiplier=3.0, residual_multiplier=0.5,
+                       attention_multiplier=0.1, logits_scaling=2.5)
+    if arch == "smollm3":  # layer 0 with rotary embedding, layer 1 without
+        kwargs |= dict(no_rope_layer_interval=2, pad_token_id=0)
     kwargs.update(overrides)
     return cls(**kwargs)
 

@@ -6,11 +6,15 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 # Architecture name -> family flags. Llama is the base; Qwen2 adds q/k/v biases, Qwen3 adds
-# per-head RMSNorm on q and k.
+# per-head RMSNorm on q and k; Granite scales the embeddings, the attention, the residual
+# branches and the logits by its config's multipliers; SmolLM3 leaves rotary out of some layers
+# (`no_rope_layers`). The rest of what differs is read from the config (from_hf).
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": {"qkv_bias": False, "qk_norm": False},
     "Qwen2ForCausalLM": {"qkv_bias": True, "qk_norm": False},
     "Qwen3ForCausalLM": {"qkv_bias": False, "qk_norm": True},
+    "GraniteForCausalLM": {"qkv_bias": False, "qk_norm": False},
+    "SmolLM3ForCausalLM": {"qkv_bias": False, "qk_norm": False},
     # The bare backbones (no LM head): how embedding checkpoints are often saved.
     "LlamaModel": {"qkv_bias": False, "qk_norm": False},
     "Qwen2Model": {"qkv_bias": True, "qk_norm": False},
@@ -43,6 +47,13 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    o_bias: bool = False  # the attention output projection has a bias (attention_bias)
+    # Per layer, whether it applies the rotary embedding (SmolLM3's no_rope_layers); () all do.
+    rope_layers: tuple[bool, ...] = ()
+    attention_scale: float | None = None  # the softmax scale; None: head_dim ** -0.5
+    embedding_multiplier: float = 1.0  # Granite: the embeddings times this
+    residual_multiplier: float = 1.0  # Granite: each residual branch times this
+    logits_scaling: float = 1.0  # Granite: the logits divided by this
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
@@ -68,6 +79,7 @@ class ModelConfig:
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         qkv_bias = flags["qkv_bias"] or bool(hf.get("attention_bias", False))
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
         return cls(
             architecture=arch,
             vocab_size=hf["vocab_size"],
@@ -76,7 +88,7 @@ class ModelConfig:
             num_layers=hf["num_hidden_layers"],
             num_heads=num_heads,
             num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+            head_dim=head_dim,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
@@ -86,7 +98,18 @@ class ModelConfig:
             rope_scaling=rope if rope_type != "default" else None,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            o_bias=bool(hf.get("attention_bias", False)),
+            rope_layers=_rope_layers(hf),
+            **(_granite(hf) if arch == "GraniteForCausalLM" else {}),
         )
+
+    @property
+    def scale(self) -> float:
+        """The attention softmax's scale."""
+        return self.head_dim**-0.5 if self.attention_scale is None else self.attention_scale
+
+    def uses_rope(self, layer: int) -> bool:
+        return not self.rope_layers or self.rope_layers[layer]
 
     @property
     def num_parameters(self) -> int:
@@ -95,9 +118,30 @@ class ModelConfig:
         attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
         if self.qkv_bias:
             attn += d * (self.num_heads + 2 * self.num_kv_heads)
+        if self.o_bias:
+            attn += h
         layer = attn + 3 * h * i + 2 * h + (2 * d if self.qk_norm else 0)
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * layer + embed + h
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def _rope_layers(hf: dict[str, Any]) -> tuple[bool, ...]:
+    """SmolLM3's `no_rope_layers` (1: the layer applies rotary, 0: it does not), checked
+    against the layer count; () where every layer does."""
+    flags = hf.get("no_rope_layers")
+    if not flags:
+        return ()
+    if len(flags) != hf["num_hidden_layers"] or any(f not in (0, 1) for f in flags):
+        raise UnsupportedModelError(f"no_rope_layers must hold a 0 or 1 per layer, got {flags}")
+    return tuple(bool(f) for f in flags)
+
+
+def _granite(hf: dict[str, Any]) -> dict[str, float]:
+    """Granite's multipliers (transformers' defaults where the config leaves one out)."""
+    return {"attention_scale": float(hf.get("attention_multiplier", 1.0)),
+            "embedding_multiplier": float(hf.get("embedding_multiplier", 1.0)),
+            "residual_multiplier": float(hf.get("residual_multiplier", 1.0)),
+            "logits_scaling": float(hf.get("logits_scaling", 1.0))}

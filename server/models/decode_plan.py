@@ -37,6 +37,7 @@ class _Layer:
     o: Packed
     gate_up: Packed
     down: Packed
+    uses_rope: bool = True  # False: the identity rotation (Rotary.identity), as the module
 
 
 def _fits(m: nn.Module | None, shape: tuple[int, int]) -> bool:
@@ -64,7 +65,8 @@ class DecodePlan:
         self.hidden, self.inter = c.hidden_size, c.intermediate_size
         self.hq, self.hkv, self.d = c.num_heads, c.num_kv_heads, c.head_dim
         self.eps = c.rms_norm_eps
-        self.scale = c.head_dim**-0.5
+        self.scale = c.scale
+        self.residual_multiplier = c.residual_multiplier
         self.layers = layers
         self.ops, self.gemm_lib = layer_ops._lib(), cpu_gemm.checked()
         self.max_group_count = max([m.in_features // m.group_size for la in layers for m in (
@@ -93,7 +95,7 @@ class DecodePlan:
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
             if any(n.eps != c.rms_norm_eps for n in norms):
                 return None
-            layers.append(_Layer(norms[0].weight, norms[1].weight, *parts))
+            layers.append(_Layer(norms[0].weight, norms[1].weight, *parts, attn.uses_rope))
         return DecodePlan(model, layers)
 
     def takes(self, x: torch.Tensor, batch, kv_caches) -> bool:
@@ -139,8 +141,10 @@ class DecodePlan:
             width = max(h, nq + 2 * nkv, 2 * self.inter)
             xb, yb = (torch.empty(t * width, dtype=torch.bfloat16) for _ in range(2))
         xp, np_, qkvp, qp, ap, xs = (a.data_ptr() for a in (x, normed, qkv, q, att, xsum))
-        cos, sin = rope.cos_table.data_ptr(), rope.sin_table.data_ptr()
-        pos, slots = rope.positions.data_ptr(), meta.slot_mapping.data_ptr()
+        identity = rope.identity() if not all(la.uses_rope for la in self.layers) else rope
+        tables = {flag: tuple(r.data_ptr() for r in (ro.cos_table, ro.sin_table, ro.positions))
+                  for flag, ro in ((True, rope), (False, identity))}
+        slots = meta.slot_mapping.data_ptr()
         ctx, lens, max_ctx = g.context_slots.data_ptr(), g.lens.data_ptr(), g.context_slots.shape[1]
         num_slots = kv_caches[0][0].shape[1]
 
@@ -171,17 +175,26 @@ class DecodePlan:
             kc, vc = k_cache.data_ptr(), v_cache.data_ptr()
             failed |= ops.rms_norm(xp, la.norm1.data_ptr(), np_, t, h, self.eps, bf16)
             failed |= mm(la.qkv, normed, qkv, nq + 2 * nkv, h)
+            cos, sin, pos = tables[la.uses_rope]
             failed |= ops.rope_store(qkvp, t, nq + 2 * nkv, self.hq, self.hkv, self.d, cos, sin,
                                      pos, slots, qp, kc, vc, num_slots, bf16, cache_bf16)
             failed |= ops.paged_decode(qp, kc, vc, ctx, lens, ap, t, self.hq, self.hkv, self.d,
                                        max_ctx, num_slots, self.scale, bf16, cache_bf16)
             failed |= mm(la.o, att, proj, h, nq)
-            x.add_(proj)
+            add_residual(x, proj, self.residual_multiplier)
             failed |= ops.rms_norm(xp, la.norm2.data_ptr(), np_, t, h, self.eps, bf16)
             failed |= mm(la.gate_up, normed, gu, 2 * self.inter, h)
             act = F.silu(gate) * up
             failed |= mm(la.down, act, proj, h, self.inter)
-            x.add_(proj)
+            add_residual(x, proj, self.residual_multiplier)
         if failed:  # shapes were checked when the plan was built: a kernel's own refusal
             raise RuntimeError("a CPU kernel declined a decode step it was planned for")
         return x
+
+
+def add_residual(x: torch.Tensor, branch: torch.Tensor, multiplier: float) -> None:
+    """x += branch * multiplier in place, rounded as llama.residual rounds it (the branch
+    scaled in the compute dtype first)."""
+    if multiplier != 1.0:
+        branch.mul_(multiplier)
+    x.add_(branch)

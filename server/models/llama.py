@@ -1,4 +1,6 @@
-"""The Llama family in plain PyTorch: Llama (SmolLM2), Qwen2 (+ q/k/v bias), Qwen3 (+ q/k norm).
+"""The Llama family in plain PyTorch: Llama (SmolLM2), Qwen2 (+ q/k/v bias), Qwen3 (+ q/k norm),
+Granite (+ multipliers on the embeddings, attention, residual branches and logits), SmolLM3
+(+ layers without rotary embedding). What differs is a ModelConfig field, never a copied file.
 
 Submodule and tensor names are Hugging Face's, so loading a checkpoint is a name-for-name copy.
 The forward takes a flat batch of tokens from many sequences with their positions and cache
@@ -72,6 +74,12 @@ class Rotary:
     dtype: torch.dtype  # the compute dtype
     _gathered: tuple[torch.Tensor, torch.Tensor] | None = None
 
+    def identity(self) -> Rotary:
+        """The same tokens rotated by nothing (cos 1, sin 0: exact), for a layer without rotary
+        embedding, so that it takes the same path (layer_ops.rope_store writes its cache)."""
+        ones = self.cos_table.new_ones(1, self.cos_table.shape[1])
+        return Rotary(ones, torch.zeros_like(ones), torch.zeros_like(self.positions), self.dtype)
+
     def gathered(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) of each token, [T, 1, head_dim] in the compute dtype."""
         if self._gathered is None:
@@ -86,7 +94,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
@@ -94,11 +102,12 @@ class Attention(nn.Module):
         self.q_proj = Linear(h, self.num_heads * d, bias=bias)
         self.k_proj = Linear(h, self.num_kv_heads * d, bias=bias)
         self.v_proj = Linear(h, self.num_kv_heads * d, bias=bias)
-        self.o_proj = Linear(self.num_heads * d, h, bias=False)
+        self.o_proj = Linear(self.num_heads * d, h, bias=config.o_bias)
         if config.qk_norm:
             self.q_norm = RMSNorm(d, config.rms_norm_eps)
             self.k_norm = RMSNorm(d, config.rms_norm_eps)
-        self.scale = d**-0.5
+        self.scale = config.scale
+        self.uses_rope = config.uses_rope(layer)
         self.qkv_proj: nn.Module | None = None  # q, k and v in one call, after fuse()
 
     def fuse(self) -> None:
@@ -117,6 +126,7 @@ class Attention(nn.Module):
         batch: ForwardBatch,
     ) -> torch.Tensor:
         rows, meta = batch.rows, batch.attention
+        rope = rope if self.uses_rope else rope.identity()
         if self.qkv_proj is not None:
             qkv = self.qkv_proj(x, rows)
             q = None if hasattr(self, "q_norm") else layer_ops.rope_store(
@@ -171,9 +181,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, layer)
+        self.residual_multiplier = config.residual_multiplier
         self.mlp = MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -181,20 +192,28 @@ class DecoderLayer(nn.Module):
     def forward(self, x, rope: Rotary, k_cache, v_cache, batch: ForwardBatch, last=False):
         """last: the model's last layer, which may compute only batch.outputs past attention
         (every row's keys and values are still stored)."""
-        x = x + self.self_attn(self.input_layernorm(x), rope, k_cache, v_cache, batch)
+        x = residual(x, self.self_attn(self.input_layernorm(x), rope, k_cache, v_cache, batch),
+                     self.residual_multiplier)
         rows = batch.rows
         if last and batch.outputs is not None:
             x, rows = x[batch.outputs], batch.output_rows
             if not x.shape[0]:
                 return x
-        return x + self.mlp(self.post_attention_layernorm(x), rows)
+        return residual(x, self.mlp(self.post_attention_layernorm(x), rows),
+                        self.residual_multiplier)
+
+
+def residual(x: torch.Tensor, branch: torch.Tensor, multiplier: float) -> torch.Tensor:
+    """x + branch * multiplier (Granite's; 1 elsewhere), rounded as the reference rounds it:
+    the branch scaled in the compute dtype, then added. The decode plan does the same."""
+    return x + (branch if multiplier == 1.0 else branch * multiplier)
 
 
 class Backbone(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -226,6 +245,8 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states after the final norm: [T, hidden], or [len(batch.outputs), hidden]."""
         x = self.model.embed_tokens(batch.input_ids)
+        if self.config.embedding_multiplier != 1.0:
+            x = x * self.config.embedding_multiplier
         rope_cos, rope_sin = self._rope_tables(x.device)
         rope = Rotary(rope_cos, rope_sin, batch.attention.positions, x.dtype)
         plan = self._decode_plan() if x.device.type == "cpu" else None
@@ -247,5 +268,9 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] fp32 logits, for the rows that sample only."""
         if hasattr(self.lm_head, "logits"):  # a head that can skip rounding to bf16 (int8, dense)
-            return self.lm_head.logits(hidden)
-        return self.lm_head(hidden).float()
+            logits = self.lm_head.logits(hidden)
+        else:
+            logits = self.lm_head(hidden).float()
+        if self.config.logits_scaling != 1.0:
+            logits = logits / self.config.logits_scaling
+        return logits

@@ -1,4 +1,5 @@
-"""Our Llama/Qwen2/Qwen3 forward against transformers' reference, on tiny random models."""
+"""Our Llama-family forward (Llama, Qwen2, Qwen3, Granite, SmolLM3) against transformers'
+reference, on tiny random models."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from server.quant.int4 import dequantize_int4, unpack_int4
 from server.quant.int8 import dequantize_int8
 from tests.helpers import hf_model, our_config
 
-ARCHS = ["llama", "qwen2", "qwen3"]
+ARCHS = ["llama", "qwen2", "qwen3", "granite", "smollm3"]
 CPU = torch.device("cpu")
 
 
