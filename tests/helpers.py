@@ -51,13 +51,16 @@ def hf_config(arch: str, **overrides):
     from transformers import (
         GraniteConfig,
         LlamaConfig,
+        MistralConfig,
+        Phi3Config,
         Qwen2Config,
         Qwen3Config,
         SmolLM3Config,
     )
 
     cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
-           "granite": GraniteConfig, "smollm3": SmolLM3Config}[arch]
+           "granite": GraniteConfig, "smollm3": SmolLM3Config, "mistral": MistralConfig,
+           "phi3": Phi3Config}[arch]
     kwargs = dict(
         vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -70,6 +73,10 @@ def hf_config(arch: str, **overrides):
                        attention_multiplier=0.1, logits_scaling=2.5)
     if arch == "smollm3":  # layer 0 with rotary embedding, layer 1 without
         kwargs |= dict(no_rope_layer_interval=2, pad_token_id=0)
+    if arch == "mistral":  # its own head_dim (not hidden / heads); no window (v0.3, Small 3)
+        kwargs |= dict(head_dim=48, sliding_window=None)
+    if arch == "phi3":  # q/k/v and gate/up stored fused
+        kwargs |= dict(pad_token_id=0, sliding_window=None)
     kwargs.update(overrides)
     return cls(**kwargs)
 

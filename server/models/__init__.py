@@ -8,7 +8,7 @@ __all__ = ["SUPPORTED_ARCHITECTURES", "ModelConfig", "UnsupportedModelError", "m
 
 
 def model_class(architecture: str):
-    """Registry by architecture name: all three families share one implementation."""
+    """Registry by architecture name: every family shares one implementation (llama.py)."""
     from server.models.llama import LlamaForCausalLM
 
     if architecture not in SUPPORTED_ARCHITECTURES:

@@ -8,13 +8,17 @@ from typing import Any
 # Architecture name -> family flags. Llama is the base; Qwen2 adds q/k/v biases, Qwen3 adds
 # per-head RMSNorm on q and k; Granite scales the embeddings, the attention, the residual
 # branches and the logits by its config's multipliers; SmolLM3 leaves rotary out of some layers
-# (`no_rope_layers`). The rest of what differs is read from the config (from_hf).
+# (`no_rope_layers`); Mistral is Llama with a sliding window; Phi-3 stores its projections
+# fused. The rest of what differs is read from the config (from_hf).
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": {"qkv_bias": False, "qk_norm": False},
     "Qwen2ForCausalLM": {"qkv_bias": True, "qk_norm": False},
     "Qwen3ForCausalLM": {"qkv_bias": False, "qk_norm": True},
     "GraniteForCausalLM": {"qkv_bias": False, "qk_norm": False},
     "SmolLM3ForCausalLM": {"qkv_bias": False, "qk_norm": False},
+    "MistralForCausalLM": {"qkv_bias": False, "qk_norm": False},
+    # Phi-3: q/k/v and gate/up stored fused (qkv_proj, gate_up_proj), as the model holds them
+    "Phi3ForCausalLM": {"qkv_bias": False, "qk_norm": False, "fused": True},
     # The bare backbones (no LM head): how embedding checkpoints are often saved.
     "LlamaModel": {"qkv_bias": False, "qk_norm": False},
     "Qwen2Model": {"qkv_bias": True, "qk_norm": False},
@@ -54,6 +58,11 @@ class ModelConfig:
     embedding_multiplier: float = 1.0  # Granite: the embeddings times this
     residual_multiplier: float = 1.0  # Granite: each residual branch times this
     logits_scaling: float = 1.0  # Granite: the logits divided by this
+    fused_projections: bool = False  # Phi-3: qkv_proj and gate_up_proj in the checkpoint
+    # The attention window of windowed layers (Mistral, Phi-3, ...). Until sliding-window
+    # attention is implemented, max_position_embeddings is capped at it: a sequence no longer
+    # than the window attends the same whether its layers are windowed or not.
+    sliding_window: int | None = None
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
@@ -73,8 +82,11 @@ class ModelConfig:
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "llama3"):
             raise UnsupportedModelError(f"unsupported rope scaling {rope_type!r}")
-        if hf.get("use_sliding_window"):
-            raise UnsupportedModelError("sliding-window attention is not supported")
+        partial = rope.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+        if partial != 1.0:
+            raise UnsupportedModelError(f"partial rotary embedding (partial_rotary_factor "
+                                        f"{partial}) is not supported")
+        window = _sliding_window(hf)
         num_heads = hf["num_attention_heads"]
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
@@ -91,7 +103,8 @@ class ModelConfig:
             head_dim=head_dim,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
-            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            max_position_embeddings=min(hf.get("max_position_embeddings", 2048),
+                                        window or 1 << 62),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             qk_norm=flags["qk_norm"],
@@ -100,6 +113,8 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             o_bias=bool(hf.get("attention_bias", False)),
             rope_layers=_rope_layers(hf),
+            fused_projections=flags.get("fused", False),
+            sliding_window=window,
             **(_granite(hf) if arch == "GraniteForCausalLM" else {}),
         )
 
@@ -126,6 +141,21 @@ class ModelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def _sliding_window(hf: dict[str, Any]) -> int | None:
+    """The window of the config's windowed layers, None where no layer is windowed: Mistral's
+    and Phi-3's `sliding_window` covers every layer; where the config names `layer_types` or
+    `use_sliding_window` (Qwen2/3, SmolLM3), only as they say."""
+    window = hf.get("sliding_window")
+    if not window:
+        return None
+    types = hf.get("layer_types")
+    if types is not None:
+        return window if "sliding_attention" in types else None
+    if "use_sliding_window" in hf:
+        return window if hf["use_sliding_window"] else None
+    return int(window)
 
 
 def _rope_layers(hf: dict[str, Any]) -> tuple[bool, ...]:

@@ -1,6 +1,7 @@
 """The Llama family in plain PyTorch: Llama (SmolLM2), Qwen2 (+ q/k/v bias), Qwen3 (+ q/k norm),
 Granite (+ multipliers on the embeddings, attention, residual branches and logits), SmolLM3
-(+ layers without rotary embedding). What differs is a ModelConfig field, never a copied file.
+(+ layers without rotary embedding), Mistral, Phi-3 (+ q/k/v and gate/up stored fused). What
+differs is a ModelConfig field, never a copied file.
 
 Submodule and tensor names are Hugging Face's, so loading a checkpoint is a name-for-name copy.
 The forward takes a flat batch of tokens from many sequences with their positions and cache
@@ -99,19 +100,24 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
         h, d, bias = config.hidden_size, config.head_dim, config.qkv_bias
-        self.q_proj = Linear(h, self.num_heads * d, bias=bias)
-        self.k_proj = Linear(h, self.num_kv_heads * d, bias=bias)
-        self.v_proj = Linear(h, self.num_kv_heads * d, bias=bias)
+        self.qkv_proj: nn.Module | None = None  # q, k and v in one call, after fuse()
+        if config.fused_projections:  # stored fused (Phi-3): held as the checkpoint has it
+            self.qkv_proj = Linear(h, (self.num_heads + 2 * self.num_kv_heads) * d, bias=bias)
+        else:
+            self.q_proj = Linear(h, self.num_heads * d, bias=bias)
+            self.k_proj = Linear(h, self.num_kv_heads * d, bias=bias)
+            self.v_proj = Linear(h, self.num_kv_heads * d, bias=bias)
         self.o_proj = Linear(self.num_heads * d, h, bias=config.o_bias)
         if config.qk_norm:
             self.q_norm = RMSNorm(d, config.rms_norm_eps)
             self.k_norm = RMSNorm(d, config.rms_norm_eps)
         self.scale = config.scale
         self.uses_rope = config.uses_rope(layer)
-        self.qkv_proj: nn.Module | None = None  # q, k and v in one call, after fuse()
 
     def fuse(self) -> None:
         """Replace q/k/v with one projection (fewer kernel calls per step)."""
+        if self.qkv_proj is not None:
+            return
         fused = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
         if fused is not None:
             self.qkv_proj = fused
@@ -161,12 +167,17 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         h, i = config.hidden_size, config.intermediate_size
-        self.gate_proj = Linear(h, i, bias=False)
-        self.up_proj = Linear(h, i, bias=False)
-        self.down_proj = Linear(i, h, bias=False)
         self.gate_up_proj: nn.Module | None = None  # gate and up in one call, after fuse()
+        if config.fused_projections:  # stored fused (Phi-3), gate first
+            self.gate_up_proj = Linear(h, 2 * i, bias=False)
+        else:
+            self.gate_proj = Linear(h, i, bias=False)
+            self.up_proj = Linear(h, i, bias=False)
+        self.down_proj = Linear(i, h, bias=False)
 
     def fuse(self) -> None:
+        if self.gate_up_proj is not None:
+            return
         fused = fuse_linears([self.gate_proj, self.up_proj])
         if fused is not None:
             self.gate_up_proj = fused

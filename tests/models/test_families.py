@@ -18,7 +18,7 @@ from server.models.simple import prompt_logits
 from storage.models import ModelStore
 from tests.helpers import hf_model, pull_into, save_hf_folder
 
-FAMILIES = ["llama", "qwen2", "qwen3", "granite", "smollm3"]
+FAMILIES = ["llama", "qwen2", "qwen3", "granite", "smollm3", "mistral", "phi3"]
 CPU = torch.device("cpu")
 LENGTHS = (5, 37, 130)
 # Mean KL(bits 16 || bits B) over the positions of a 130-token prompt, nats, measured on a Zen 4
@@ -108,3 +108,48 @@ def test_quantized_models_stay_close_to_bits_16(family, monkeypatch, bits):
     kl = (p.exp() * (p - q)).sum(-1).mean().item()
     print(f"{alias} int{bits}: KL {kl:.5f}")  # reported (pytest -s)
     assert kl < KL_BOUND[bits]
+
+
+def test_a_sliding_window_caps_the_context_where_full_attention_agrees():
+    """Until windowed attention is implemented, a model whose layers attend over a window
+    (Mistral 7B v0.1's 4,096, Phi-3-mini-4k's 2,047) serves contexts up to the window, where a
+    windowed layer attends to every earlier token anyway: transformers' own windowed model
+    gives the same logits there, and a longer request is refused, never answered wrongly."""
+    from server.engine.scheduler import RequestTooLargeError
+    from server.models.config import ModelConfig
+    from tests.helpers import our_config
+    from tests.models.test_forward import ours_from_hf
+
+    hf = hf_model("mistral", sliding_window=16, seed=4)
+    ours = ours_from_hf(hf)
+    assert (our_config(hf).sliding_window, ours.config.max_position_embeddings) == (16, 16)
+    ids = prompt(16, 16)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(prompt_logits(ours, ids), ref, atol=1e-3, rtol=0)
+    engine = Engine(ours, EngineConfig(num_blocks=16), CPU, torch.float32)
+    with pytest.raises(RequestTooLargeError):
+        engine.scheduler.check_size(16, 1)
+    # which layers are windowed, as each config says
+    qwen2 = {"architectures": ["Qwen2ForCausalLM"], "vocab_size": 8, "hidden_size": 8,
+             "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1,
+             "max_position_embeddings": 64, "sliding_window": 32}
+    assert ModelConfig.from_hf(qwen2 | {"use_sliding_window": False}).sliding_window is None
+    assert ModelConfig.from_hf(qwen2 | {"use_sliding_window": True}).sliding_window == 32
+    assert ModelConfig.from_hf(qwen2 | {"layer_types": ["full_attention"]}).sliding_window \
+        is None
+
+
+@pytest.mark.parametrize(("change", "said"), [
+    ({"partial_rotary_factor": 0.75}, "partial rotary embedding"),
+    ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}},
+     "unsupported rope scaling 'longrope'"),
+    ({"architectures": ["Gemma3ForCausalLM"]}, "unsupported architecture 'Gemma3ForCausalLM'"),
+])
+def test_what_is_not_implemented_yet_is_refused_by_name(change, said):
+    from server.models.config import ModelConfig, UnsupportedModelError
+
+    config = {"architectures": ["Phi3ForCausalLM"], "vocab_size": 8, "hidden_size": 8,
+              "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1}
+    with pytest.raises(UnsupportedModelError, match=said):
+        ModelConfig.from_hf(config | change)
