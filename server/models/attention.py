@@ -27,7 +27,7 @@ on the other sequences of the step or on how a prompt was chunked:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -58,6 +58,32 @@ class AttentionGroup:
     start: int = 0  # a prompt chunk's first position
     in_place: bool = False  # a prompt chunk for layer_ops.paged_prompt (tiles without it)
     lens: torch.Tensor | None = None  # decodes: [B] context length of each (int64)
+    # Decodes as a windowed layer sees them (within()), by window, built once per step
+    windows: dict[int, AttentionGroup] = field(default_factory=dict)
+
+    def within(self, window: int | None) -> AttentionGroup:
+        """The group as a layer attending over the last `window` positions sees it. Decodes:
+        each entry's context starts `window` positions before its end (its slots shifted, its
+        length cut), so every path attends over exactly those; prompt chunks: the same group,
+        their tiles mask each query's window (_prompt_tiles)."""
+        if window is None or self.first_tile >= 0:
+            return self
+        if window not in self.windows:
+            first = (self.lens - window).clamp(min=0)  # [B] positions before each window
+            if not bool(first.any()):
+                self.windows[window] = self
+            else:
+                b, max_ctx = self.context_slots.shape
+                ctx = torch.arange(max_ctx, device=self.lens.device)
+                lens = self.lens - first
+                shifted = self.context_slots.gather(
+                    1, (ctx[None] + first[:, None]).clamp(max=max_ctx - 1))
+                past = ctx[None] >= lens[:, None]
+                self.windows[window] = replace(
+                    self, context_slots=shifted.masked_fill(past, NULL_SLOT), lens=lens,
+                    mask=torch.zeros_like(self.mask).masked_fill_(past, float("-inf")),
+                    flat_slots=None, windows={})
+        return self.windows[window]
 
 
 NULL_SLOT = -1  # the KV caches' extra last slot: zeros, read by padding, never written
@@ -215,25 +241,34 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """q: [T, Hq, D]; caches: [Hkv, num_slots, D] already holding this step's k/v -> [T, Hq*D].
+    `window`: each query attends over its last `window` positions only (its own included), as
+    transformers' sliding-window layers do; None: over all before it.
 
     Batched matmuls over fixed-shape tiles (see the module docstring), laid out [Hkv, B, ...] so
     the gathered keys/values are contiguous and the G query heads of a kv head share them
-    without copies (GQA).
+    without copies (GQA). A windowed layer's prompt chunks always take the tiles (paged_prompt
+    has no window), whatever their positions: the same path chunked or whole.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[0]
     group_size = num_heads // num_kv_heads
     out = None
     for g in meta.groups:
+        g = g.within(window)
         o = rows = None
-        if g.in_place:  # a prompt chunk's real queries, reading the cache in place
+        if g.in_place and window is None:  # a prompt chunk's queries, the cache read in place
             o = layer_ops.paged_prompt(q.index_select(0, g.dest), k_cache, v_cache,
                                        g.context_slots[0], g.start, scale)
         if o is None:  # [padded rows, Hq * D], the real ones at g.valid
-            attend = _prompt_tiles if g.first_tile >= 0 else _decodes
-            o, rows = attend(q, k_cache, v_cache, g, scale, num_kv_heads, group_size), g.valid
+            if g.first_tile >= 0:
+                o = _prompt_tiles(q, k_cache, v_cache, g, scale, num_kv_heads, group_size,
+                                  window)
+            else:
+                o = _decodes(q, k_cache, v_cache, g, scale, num_kv_heads, group_size)
+            rows = g.valid
         if g.whole_step:
             return o
         if out is None:
@@ -282,8 +317,9 @@ def _decodes(q, k_cache, v_cache, g: AttentionGroup, scale: float, num_kv_heads:
 
 
 def _prompt_tiles(q, k_cache, v_cache, g: AttentionGroup, scale: float, num_kv_heads: int,
-                  group_size: int) -> torch.Tensor:
-    """A prompt chunk's aligned query tiles, tile j over the context up to its own end."""
+                  group_size: int, window: int | None = None) -> torch.Tensor:
+    """A prompt chunk's aligned query tiles, tile j over the context up to its own end (and
+    with a `window`, each query not before its own position - window + 1)."""
     num_tiles = g.token_index.shape[0]
     head_dim, dtype = q.shape[-1], q.dtype
     # [tiles, QT, Hkv, G, D] -> [tiles, Hkv, G, QT, D]
@@ -298,6 +334,11 @@ def _prompt_tiles(q, k_cache, v_cache, g: AttentionGroup, scale: float, num_kv_h
         scores = torch.bmm(qg[j], k[:, :n].transpose(1, 2))  # [Hkv, G * QT, n]
         scores.view(num_kv_heads, group_size, QUERY_TILE, n)[..., n - QUERY_TILE:].add_(
             g.mask[j])
+        if window is not None and n > window:  # some query's window starts after position 0
+            rows = torch.arange(n - QUERY_TILE, n, device=q.device)[:, None]  # its positions
+            early = torch.arange(n, device=q.device)[None] <= rows - window  # [QT, n]
+            scores.view(num_kv_heads, group_size, QUERY_TILE, n).masked_fill_(
+                early, float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)
         outs.append(torch.bmm(probs, v[:, :n]))  # [Hkv, G * QT, D]
     o = torch.stack(outs).view(num_tiles, num_kv_heads, group_size, QUERY_TILE, head_dim)

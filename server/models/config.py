@@ -59,10 +59,10 @@ class ModelConfig:
     residual_multiplier: float = 1.0  # Granite: each residual branch times this
     logits_scaling: float = 1.0  # Granite: the logits divided by this
     fused_projections: bool = False  # Phi-3: qkv_proj and gate_up_proj in the checkpoint
-    # The attention window of windowed layers (Mistral, Phi-3, ...). Until sliding-window
-    # attention is implemented, max_position_embeddings is capped at it: a sequence no longer
-    # than the window attends the same whether its layers are windowed or not.
+    # The attention window of windowed layers (Mistral, Phi-3, ...): a query attends over its
+    # last `sliding_window` positions; which layers: window_layers (() all, if it is set).
     sliding_window: int | None = None
+    window_layers: tuple[bool, ...] = ()
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
@@ -103,8 +103,7 @@ class ModelConfig:
             head_dim=head_dim,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
-            max_position_embeddings=min(hf.get("max_position_embeddings", 2048),
-                                        window or 1 << 62),
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             qk_norm=flags["qk_norm"],
@@ -115,6 +114,7 @@ class ModelConfig:
             rope_layers=_rope_layers(hf),
             fused_projections=flags.get("fused", False),
             sliding_window=window,
+            window_layers=_window_layers(hf) if window else (),
             **(_granite(hf) if arch == "GraniteForCausalLM" else {}),
         )
 
@@ -122,6 +122,12 @@ class ModelConfig:
     def scale(self) -> float:
         """The attention softmax's scale."""
         return self.head_dim**-0.5 if self.attention_scale is None else self.attention_scale
+
+    def layer_window(self, layer: int) -> int | None:
+        """The attention window of `layer`, None where it attends over everything before."""
+        if self.sliding_window is None or (self.window_layers and not self.window_layers[layer]):
+            return None
+        return self.sliding_window
 
     def uses_rope(self, layer: int) -> bool:
         return not self.rope_layers or self.rope_layers[layer]
@@ -156,6 +162,17 @@ def _sliding_window(hf: dict[str, Any]) -> int | None:
     if "use_sliding_window" in hf:
         return window if hf["use_sliding_window"] else None
     return int(window)
+
+
+def _window_layers(hf: dict[str, Any]) -> tuple[bool, ...]:
+    """Per layer, whether it is windowed (`layer_types`); () where every layer is."""
+    types = hf.get("layer_types")
+    if types is None:
+        return ()
+    if len(types) != hf["num_hidden_layers"]:
+        raise UnsupportedModelError(f"layer_types must name each of the {hf['num_hidden_layers']}"
+                                    f" layers, got {len(types)}")
+    return tuple(kind == "sliding_attention" for kind in types)
 
 
 def _rope_layers(hf: dict[str, Any]) -> tuple[bool, ...]:

@@ -38,6 +38,7 @@ class _Layer:
     gate_up: Packed
     down: Packed
     uses_rope: bool = True  # False: the identity rotation (Rotary.identity), as the module
+    window: int | None = None  # its attention window (AttentionGroup.within), as the module
 
 
 def _fits(m: nn.Module | None, shape: tuple[int, int]) -> bool:
@@ -95,7 +96,8 @@ class DecodePlan:
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
             if any(n.eps != c.rms_norm_eps for n in norms):
                 return None
-            layers.append(_Layer(norms[0].weight, norms[1].weight, *parts, attn.uses_rope))
+            layers.append(_Layer(norms[0].weight, norms[1].weight, *parts, attn.uses_rope,
+                                 attn.window))
         return DecodePlan(model, layers)
 
     def takes(self, x: torch.Tensor, batch, kv_caches) -> bool:
@@ -145,7 +147,9 @@ class DecodePlan:
         tables = {flag: tuple(r.data_ptr() for r in (ro.cos_table, ro.sin_table, ro.positions))
                   for flag, ro in ((True, rope), (False, identity))}
         slots = meta.slot_mapping.data_ptr()
-        ctx, lens, max_ctx = g.context_slots.data_ptr(), g.lens.data_ptr(), g.context_slots.shape[1]
+        views = {la.window: g.within(la.window) for la in self.layers}  # kept alive here
+        contexts = {w: (v.context_slots.data_ptr(), v.lens.data_ptr(), v.context_slots.shape[1])
+                    for w, v in views.items()}
         num_slots = kv_caches[0][0].shape[1]
 
         def mm(m: Packed, xin: torch.Tensor, yout: torch.Tensor, n: int, k: int) -> int:
@@ -178,6 +182,7 @@ class DecodePlan:
             cos, sin, pos = tables[la.uses_rope]
             failed |= ops.rope_store(qkvp, t, nq + 2 * nkv, self.hq, self.hkv, self.d, cos, sin,
                                      pos, slots, qp, kc, vc, num_slots, bf16, cache_bf16)
+            ctx, lens, max_ctx = contexts[la.window]
             failed |= ops.paged_decode(qp, kc, vc, ctx, lens, ap, t, self.hq, self.hkv, self.d,
                                        max_ctx, num_slots, self.scale, bf16, cache_bf16)
             failed |= mm(la.o, att, proj, h, nq)

@@ -113,6 +113,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(d, config.rms_norm_eps)
         self.scale = config.scale
         self.uses_rope = config.uses_rope(layer)
+        self.window = config.layer_window(layer)  # None: attends over all before
 
     def fuse(self) -> None:
         """Replace q/k/v with one projection (fewer kernel calls per step)."""
@@ -145,7 +146,8 @@ class Attention(nn.Module):
         else:
             q = self._rope_store(self.q_proj(x, rows), self.k_proj(x, rows),
                                  self.v_proj(x, rows), rope, k_cache, v_cache, meta.slot_mapping)
-        return self.o_proj(paged_attention(q, k_cache, v_cache, meta, self.scale), rows)
+        return self.o_proj(paged_attention(q, k_cache, v_cache, meta, self.scale, self.window),
+                           rows)
 
     def _rope_store(self, q, k, v, rope: Rotary, k_cache, v_cache, slots) -> torch.Tensor:
         """PyTorch's rotary embedding and cache write (what layer_ops.rope_store does)."""

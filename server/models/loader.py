@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -18,8 +17,6 @@ from server.quant import apply_quantization, prepare_quantized
 from server.quant.int4 import Int4Linear
 from server.quant.int8 import Int8Embedding
 from storage.models import StoredModel
-
-log = logging.getLogger("localserve")
 
 
 @dataclass(slots=True)
@@ -110,10 +107,6 @@ def load_model(
     if verify:
         stored.verify()
     config = ModelConfig.from_hf(stored.manifest["config"])
-    if config.sliding_window is not None:
-        log.warning("%s: sliding-window attention (%d tokens) is not implemented yet; the "
-                    "context is capped at the window, where windowed and full attention agree",
-                    stored.name, config.sliding_window)
     state = load_file(str(stored.path / "model.safetensors"))  # mapped, not read
     model = build_model(config, state, stored.manifest["quantized"], device, dtype,
                         use_kernels)

@@ -104,6 +104,18 @@ def test_seeded_request_is_the_same_however_it_is_computed(weights, dtype):
     same_however_computed(build_model(*weights, CPU, dtype), dtype)
 
 
+def test_a_sliding_window_model_gives_the_same_however_computed():
+    """Mistral's shape of layers with a 64-token window, shorter than the seeded prompt (150):
+    its decodes attend over shifted contexts (AttentionGroup.within) and its prompts in masked
+    tiles, whether the request is alone, cached, chunked, batched or preempted."""
+    config = ModelConfig.from_hf(SMOLLM2_135M | dict(architectures=["MistralForCausalLM"],
+                                                     model_type="mistral", sliding_window=64))
+    assert [config.layer_window(i) for i in (0, 29)] == [64, 64]
+    state, schemes = quantize_state_dict(random_state(config), 4)
+    dtype = pick_dtype(CPU, None, 4)
+    same_however_computed(build_model(config, state, schemes, CPU, dtype), dtype)
+
+
 @pytest.mark.parametrize("in_place", [0, 64], ids=["tiles-only", "tiles-from-64"])
 def test_either_prompt_attention_gives_the_same_however_computed(int4_weights, in_place,
                                                                   monkeypatch):

@@ -18,7 +18,13 @@ from server.models.simple import prompt_logits
 from storage.models import ModelStore
 from tests.helpers import hf_model, pull_into, save_hf_folder
 
-FAMILIES = ["llama", "qwen2", "qwen3", "granite", "smollm3", "mistral", "phi3"]
+# (name, transformers family, config overrides): every layer kind of each family
+FAMILIES = [("llama", "llama", {}), ("qwen2", "qwen2", {}), ("qwen3", "qwen3", {}),
+            ("granite", "granite", {}), ("smollm3", "smollm3", {}), ("mistral", "mistral", {}),
+            ("phi3", "phi3", {}),
+            # a window far shorter than the prompts (Mistral 7B v0.1: 4,096; Phi-3-mini-4k: 2,047)
+            ("mistral-window", "mistral", {"sliding_window": 24}),
+            ("phi3-window", "phi3", {"sliding_window": 40})]
 CPU = torch.device("cpu")
 LENGTHS = (5, 37, 130)
 # Mean KL(bits 16 || bits B) over the positions of a 130-token prompt, nats, measured on a Zen 4
@@ -31,15 +37,16 @@ def prompt(n: int, seed: int) -> list[int]:
     return torch.randint(3, 260, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+@pytest.fixture(scope="module", params=FAMILIES, ids=[f[0] for f in FAMILIES])
 def family(request, tmp_path_factory):
     """(transformers' model, the store home holding it pulled at 16, 8 and 4 bits, its alias)"""
-    hf = hf_model(request.param, seed=21)
-    folder = save_hf_folder(hf, tmp_path_factory.mktemp("hf") / f"tiny-{request.param}")
+    name, arch, overrides = request.param
+    hf = hf_model(arch, seed=21, **overrides)
+    folder = save_hf_folder(hf, tmp_path_factory.mktemp("hf") / f"tiny-{name}")
     home = tmp_path_factory.mktemp("home")
     for bits in (16, 8, 4):
         pull_into(home, folder, bits)
-    return hf, home, f"tiny-{request.param}"
+    return hf, home, f"tiny-{name}"
 
 
 def loaded(home, monkeypatch, name: str):
@@ -110,34 +117,24 @@ def test_quantized_models_stay_close_to_bits_16(family, monkeypatch, bits):
     assert kl < KL_BOUND[bits]
 
 
-def test_a_sliding_window_caps_the_context_where_full_attention_agrees():
-    """Until windowed attention is implemented, a model whose layers attend over a window
-    (Mistral 7B v0.1's 4,096, Phi-3-mini-4k's 2,047) serves contexts up to the window, where a
-    windowed layer attends to every earlier token anyway: transformers' own windowed model
-    gives the same logits there, and a longer request is refused, never answered wrongly."""
-    from server.engine.scheduler import RequestTooLargeError
+def test_which_layers_are_windowed_is_read_from_each_config():
     from server.models.config import ModelConfig
-    from tests.helpers import our_config
-    from tests.models.test_forward import ours_from_hf
 
-    hf = hf_model("mistral", sliding_window=16, seed=4)
-    ours = ours_from_hf(hf)
-    assert (our_config(hf).sliding_window, ours.config.max_position_embeddings) == (16, 16)
-    ids = prompt(16, 16)
-    with torch.no_grad():
-        ref = hf(torch.tensor([ids])).logits[0]
-    torch.testing.assert_close(prompt_logits(ours, ids), ref, atol=1e-3, rtol=0)
-    engine = Engine(ours, EngineConfig(num_blocks=16), CPU, torch.float32)
-    with pytest.raises(RequestTooLargeError):
-        engine.scheduler.check_size(16, 1)
-    # which layers are windowed, as each config says
     qwen2 = {"architectures": ["Qwen2ForCausalLM"], "vocab_size": 8, "hidden_size": 8,
-             "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1,
+             "intermediate_size": 8, "num_hidden_layers": 2, "num_attention_heads": 1,
              "max_position_embeddings": 64, "sliding_window": 32}
-    assert ModelConfig.from_hf(qwen2 | {"use_sliding_window": False}).sliding_window is None
-    assert ModelConfig.from_hf(qwen2 | {"use_sliding_window": True}).sliding_window == 32
-    assert ModelConfig.from_hf(qwen2 | {"layer_types": ["full_attention"]}).sliding_window \
-        is None
+
+    def windows(config):
+        c = ModelConfig.from_hf(config)
+        return [c.layer_window(i) for i in range(c.num_layers)]
+
+    assert windows(qwen2 | {"use_sliding_window": False}) == [None, None]
+    assert windows(qwen2 | {"use_sliding_window": True}) == [32, 32]
+    assert windows(qwen2 | {"layer_types": ["full_attention", "sliding_attention"]}) == [
+        None, 32]
+    mistral = qwen2 | {"architectures": ["MistralForCausalLM"]}
+    assert windows(mistral) == [32, 32] and windows(mistral | {"sliding_window": None}) == [
+        None, None]
 
 
 @pytest.mark.parametrize(("change", "said"), [
