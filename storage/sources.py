@@ -56,6 +56,7 @@ CATALOGUE: dict[str, CatalogueEntry] = {
     "smollm3-3b": CatalogueEntry("HuggingFaceTB/SmolLM3-3B"),
     "granite-3.3-2b": CatalogueEntry("ibm-granite/granite-3.3-2b-instruct"),
     "granite-3.3-8b": CatalogueEntry("ibm-granite/granite-3.3-8b-instruct"),
+    "gemma3-1b": CatalogueEntry("google/gemma-3-1b-it"),
 }
 DEFAULT_MODEL = "smollm2-135m"
 

@@ -49,6 +49,7 @@ VOCAB_SIZE = len(tiny_vocab()[0]) + 5  # a few spare rows, as real checkpoints h
 def hf_config(arch: str, **overrides):
     """A tiny transformers config of the given family (fp32, 2 layers, GQA 4:2)."""
     from transformers import (
+        Gemma3TextConfig,
         GraniteConfig,
         LlamaConfig,
         MistralConfig,
@@ -60,7 +61,7 @@ def hf_config(arch: str, **overrides):
 
     cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
            "granite": GraniteConfig, "smollm3": SmolLM3Config, "mistral": MistralConfig,
-           "phi3": Phi3Config}[arch]
+           "phi3": Phi3Config, "gemma3": Gemma3TextConfig}[arch]
     kwargs = dict(
         vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -77,6 +78,10 @@ def hf_config(arch: str, **overrides):
         kwargs |= dict(head_dim=48, sliding_window=None)
     if arch == "phi3":  # q/k/v and gate/up stored fused
         kwargs |= dict(pad_token_id=0, sliding_window=None)
+    if arch == "gemma3":  # local (windowed, own rope base) and global layers (linear scaling)
+        kwargs |= dict(num_hidden_layers=3, sliding_window_pattern=2, sliding_window=24,
+                       head_dim=32, query_pre_attn_scalar=24, final_logit_softcapping=30.0,
+                       rope_scaling={"rope_type": "linear", "factor": 2.0}, pad_token_id=0)
     kwargs.update(overrides)
     return cls(**kwargs)
 
@@ -90,9 +95,11 @@ def hf_model(arch: str, seed: int = 0, **overrides):
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.08).copy_(p.bfloat16().float())
+        # RMSNorm weights near their neutral value: 1, or 0 where the norm scales by (1 + w)
+        neutral = 0.0 if arch == "gemma3" else 1.0
         for name, p in model.named_parameters():
             if "norm" in name:
-                p.copy_((1 + 0.1 * torch.randn_like(p)).bfloat16().float())
+                p.copy_((neutral + 0.1 * torch.randn_like(p)).bfloat16().float())
     return model.eval()
 
 

@@ -9,7 +9,7 @@ from typing import Any
 # per-head RMSNorm on q and k; Granite scales the embeddings, the attention, the residual
 # branches and the logits by its config's multipliers; SmolLM3 leaves rotary out of some layers
 # (`no_rope_layers`); Mistral is Llama with a sliding window; Phi-3 stores its projections
-# fused. The rest of what differs is read from the config (from_hf).
+# fused; Gemma 3 (below). The rest of what differs is read from the config (from_hf).
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": {"qkv_bias": False, "qk_norm": False},
     "Qwen2ForCausalLM": {"qkv_bias": True, "qk_norm": False},
@@ -19,6 +19,9 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": {"qkv_bias": False, "qk_norm": False},
     # Phi-3: q/k/v and gate/up stored fused (qkv_proj, gate_up_proj), as the model holds them
     "Phi3ForCausalLM": {"qkv_bias": False, "qk_norm": False, "fused": True},
+    # Gemma 3's text models: (1 + w) RMSNorms, q/k norm, a norm before and after each block,
+    # GeGLU, scaled embeddings, local (windowed) and global layers with their own rope bases
+    "Gemma3ForCausalLM": {"qkv_bias": False, "qk_norm": True},
     # The bare backbones (no LM head): how embedding checkpoints are often saved.
     "LlamaModel": {"qkv_bias": False, "qk_norm": False},
     "Qwen2Model": {"qkv_bias": True, "qk_norm": False},
@@ -63,6 +66,11 @@ class ModelConfig:
     # last `sliding_window` positions; which layers: window_layers (() all, if it is set).
     sliding_window: int | None = None
     window_layers: tuple[bool, ...] = ()
+    local_rope_theta: float | None = None  # Gemma 3: windowed layers' own rope base
+    norm_offset: float = 0.0  # Gemma: RMSNorm scales by (offset + weight)
+    sandwich_norms: bool = False  # Gemma: a norm after attention and after the MLP too
+    activation: str = "silu"  # the gated MLP's: silu, or gelu_pytorch_tanh (GeGLU)
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
@@ -76,16 +84,7 @@ class ModelConfig:
                 f"unsupported architecture {name!r} (supported: {supported})"
             )
         flags = SUPPORTED_ARCHITECTURES[arch]
-        # transformers 5 nests rope settings in rope_parameters; 4.x used rope_theta/rope_scaling.
-        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-        rope_theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "llama3"):
-            raise UnsupportedModelError(f"unsupported rope scaling {rope_type!r}")
-        partial = rope.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-        if partial != 1.0:
-            raise UnsupportedModelError(f"partial rotary embedding (partial_rotary_factor "
-                                        f"{partial}) is not supported")
+        rope_theta, rope_scaling, local_theta = _rope(hf)
         window = _sliding_window(hf)
         num_heads = hf["num_attention_heads"]
         eos = hf.get("eos_token_id")
@@ -107,7 +106,7 @@ class ModelConfig:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             qk_norm=flags["qk_norm"],
-            rope_scaling=rope if rope_type != "default" else None,
+            rope_scaling=rope_scaling,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
             o_bias=bool(hf.get("attention_bias", False)),
@@ -115,7 +114,9 @@ class ModelConfig:
             fused_projections=flags.get("fused", False),
             sliding_window=window,
             window_layers=_window_layers(hf) if window else (),
+            local_rope_theta=local_theta,
             **(_granite(hf) if arch == "GraniteForCausalLM" else {}),
+            **(_gemma(hf, head_dim) if arch == "Gemma3ForCausalLM" else {}),
         )
 
     @property
@@ -141,12 +142,49 @@ class ModelConfig:
             attn += d * (self.num_heads + 2 * self.num_kv_heads)
         if self.o_bias:
             attn += h
-        layer = attn + 3 * h * i + 2 * h + (2 * d if self.qk_norm else 0)
+        norms = (4 if self.sandwich_norms else 2) * h + (2 * d if self.qk_norm else 0)
+        layer = attn + 3 * h * i + norms
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * layer + embed + h
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None, float | None]:
+    """(rope base, scaling settings or None, windowed layers' own base or None).
+    transformers 5 nests rope settings in rope_parameters (Gemma 3: one per layer type); 4.x
+    used rope_theta / rope_scaling (Gemma 3's local base: rope_local_base_freq)."""
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    local_theta = hf.get("rope_local_base_freq")
+    if "full_attention" in rope:
+        local_theta = (rope.get("sliding_attention") or {}).get("rope_theta", local_theta)
+        rope = dict(rope["full_attention"])
+    rope_theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "llama3", "linear"):
+        raise UnsupportedModelError(f"unsupported rope scaling {rope_type!r}")
+    partial = rope.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise UnsupportedModelError(f"partial rotary embedding (partial_rotary_factor "
+                                    f"{partial}) is not supported")
+    scaling = rope | {"rope_type": rope_type} if rope_type != "default" else None
+    return rope_theta, scaling, None if local_theta is None else float(local_theta)
+
+
+def _gemma(hf: dict[str, Any], head_dim: int) -> dict[str, Any]:
+    """Gemma 3's settings: how its norms, embeddings, MLP, attention scale and logits differ."""
+    if hf.get("attn_logit_softcapping") is not None:
+        raise UnsupportedModelError("attention logit soft-capping is not supported")
+    cap = hf.get("final_logit_softcapping")
+    activation = hf.get("hidden_activation") or "gelu_pytorch_tanh"
+    if activation != "gelu_pytorch_tanh":
+        raise UnsupportedModelError(f"unsupported activation {activation!r}")
+    return {"norm_offset": 1.0, "sandwich_norms": True,
+            "activation": activation,
+            "embedding_multiplier": float(hf["hidden_size"]) ** 0.5,
+            "attention_scale": float(hf.get("query_pre_attn_scalar", head_dim)) ** -0.5,
+            "final_logit_softcapping": None if cap is None else float(cap)}
 
 
 def _sliding_window(hf: dict[str, Any]) -> int | None:

@@ -79,6 +79,8 @@ class DecodePlan:
         if not layer_ops.enabled() or cpu_gemm.checked() is None:
             return None
         c = model.config
+        if c.sandwich_norms or c.activation != "silu" or c.local_rope_theta is not None:
+            return None  # Gemma's layers: the modules run them (not planned yet)
         if (c.head_dim % 16 or c.head_dim > layer_ops.MAX_DIM
                 or c.hidden_size > layer_ops.MAX_HIDDEN or c.num_heads % c.num_kv_heads):
             return None

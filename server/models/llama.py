@@ -1,7 +1,8 @@
 """The Llama family in plain PyTorch: Llama (SmolLM2), Qwen2 (+ q/k/v bias), Qwen3 (+ q/k norm),
 Granite (+ multipliers on the embeddings, attention, residual branches and logits), SmolLM3
-(+ layers without rotary embedding), Mistral, Phi-3 (+ q/k/v and gate/up stored fused). What
-differs is a ModelConfig field, never a copied file.
+(+ layers without rotary embedding), Mistral, Phi-3 (+ q/k/v and gate/up stored fused), Gemma 3
+(+ (1 + w) norms, sandwich norms, GeGLU, local and global layers). What differs is a
+ModelConfig field, never a copied file.
 
 Submodule and tensor names are Hugging Face's, so loading a checkpoint is a name-for-name copy.
 The forward takes a flat batch of tokens from many sequences with their positions and cache
@@ -44,14 +45,18 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
-    """[head_dim // 2] inverse frequencies, with Llama-3 style scaling when configured."""
+def rope_inverse_frequencies(config: ModelConfig, local: bool = False) -> torch.Tensor:
+    """[head_dim // 2] inverse frequencies, with linear or Llama-3 style scaling when
+    configured; `local`: windowed layers' own base, unscaled (Gemma 3)."""
     d = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
-    scaling = config.rope_scaling
+    theta = config.local_rope_theta if local else config.rope_theta
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    scaling = None if local else config.rope_scaling
     if not scaling:
         return inv_freq
     factor = scaling["factor"]
+    if scaling["rope_type"] == "linear":
+        return inv_freq / factor
     low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
     old_len = scaling["original_max_position_embeddings"]
     low_wavelen, high_wavelen = old_len / low, old_len / high
@@ -114,6 +119,8 @@ class Attention(nn.Module):
         self.scale = config.scale
         self.uses_rope = config.uses_rope(layer)
         self.window = config.layer_window(layer)  # None: attends over all before
+        # Gemma 3's windowed layers rotate with their own base (the model's local tables)
+        self.local_rope = self.window is not None and config.local_rope_theta is not None
 
     def fuse(self) -> None:
         """Replace q/k/v with one projection (fewer kernel calls per step)."""
@@ -165,6 +172,10 @@ class Attention(nn.Module):
         return q
 
 
+# The gated MLP's activation by the config's name (transformers' ACT2FN names)
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -176,6 +187,7 @@ class MLP(nn.Module):
             self.gate_proj = Linear(h, i, bias=False)
             self.up_proj = Linear(h, i, bias=False)
         self.down_proj = Linear(i, h, bias=False)
+        self.act = ACTIVATIONS[config.activation]
 
     def fuse(self) -> None:
         if self.gate_up_proj is not None:
@@ -190,7 +202,7 @@ class MLP(nn.Module):
             gate, up = self.gate_up_proj(x, rows).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x, rows), self.up_proj(x, rows)
-        return self.down_proj(F.silu(gate) * up, rows)
+        return self.down_proj(self.act(gate) * up, rows)
 
 
 class DecoderLayer(nn.Module):
@@ -201,19 +213,28 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.sandwich = config.sandwich_norms  # Gemma: post_attention_layernorm is the
+        if self.sandwich:  # attention output's; the MLP's own norms before and after it
+            self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x, rope: Rotary, k_cache, v_cache, batch: ForwardBatch, last=False):
         """last: the model's last layer, which may compute only batch.outputs past attention
         (every row's keys and values are still stored)."""
-        x = residual(x, self.self_attn(self.input_layernorm(x), rope, k_cache, v_cache, batch),
-                     self.residual_multiplier)
+        h = self.self_attn(self.input_layernorm(x), rope, k_cache, v_cache, batch)
+        if self.sandwich:
+            h = self.post_attention_layernorm(h)
+        x = residual(x, h, self.residual_multiplier)
         rows = batch.rows
         if last and batch.outputs is not None:
             x, rows = x[batch.outputs], batch.output_rows
             if not x.shape[0]:
                 return x
-        return residual(x, self.mlp(self.post_attention_layernorm(x), rows),
-                        self.residual_multiplier)
+        if self.sandwich:
+            h = self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x), rows))
+        else:
+            h = self.mlp(self.post_attention_layernorm(x), rows)
+        return residual(x, h, self.residual_multiplier)
 
 
 def residual(x: torch.Tensor, branch: torch.Tensor, multiplier: float) -> torch.Tensor:
@@ -240,16 +261,28 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         # fp32 cos/sin tables, built on the first forward's device. Plain attributes, not buffers:
         # casting the model to bf16 must not round them.
-        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._rope: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}  # by `local`
+        self._local_rope = any(layer.self_attn.local_rope for layer in self.model.layers)
         self._plan: tuple[tuple, DecodePlan | None] | None = None  # (libraries, plan)
 
-    def _rope_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._rope is None or self._rope[0].device != device:
+    def _rope_tables(self, device: torch.device, local: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 (cos, sin) [max_pos, head_dim]: the model's, or windowed layers' own (local)."""
+        tables = self._rope.get(local)
+        if tables is None or tables[0].device != device:
             positions = torch.arange(self.config.max_position_embeddings, dtype=torch.float32)
-            freqs = torch.outer(positions, rope_inverse_frequencies(self.config))  # [P, D/2]
+            freqs = torch.outer(positions, rope_inverse_frequencies(self.config, local))
             emb = torch.cat((freqs, freqs), dim=-1).to(device)  # [max_pos, D]
-            self._rope = (emb.cos(), emb.sin())
-        return self._rope
+            tables = self._rope[local] = (emb.cos(), emb.sin())
+        return tables
+
+    def prepare_weights(self) -> None:
+        """Once loaded, in the compute dtype: Gemma's RMSNorms scale by (1 + w): the offset
+        is added to their weights here, as transformers adds it (in that dtype)."""
+        if self.config.norm_offset:
+            for module in self.modules():
+                if isinstance(module, RMSNorm):
+                    module.weight.data += self.config.norm_offset
 
     def forward(
         self,
@@ -260,15 +293,18 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.embed_tokens(batch.input_ids)
         if self.config.embedding_multiplier != 1.0:
             x = x * self.config.embedding_multiplier
-        rope_cos, rope_sin = self._rope_tables(x.device)
-        rope = Rotary(rope_cos, rope_sin, batch.attention.positions, x.dtype)
+        positions = batch.attention.positions
+        rope = Rotary(*self._rope_tables(x.device), positions, x.dtype)
+        local = Rotary(*self._rope_tables(x.device, True), positions, x.dtype) \
+            if self._local_rope else rope
         plan = self._decode_plan() if x.device.type == "cpu" else None
         if plan is not None and plan.takes(x, batch, kv_caches):
             return self.model.norm(plan.run(x, rope, kv_caches, batch))
         last = len(self.model.layers) - 1
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.model.layers, kv_caches,
                                                             strict=True)):
-            x = layer(x, rope, k_cache, v_cache, batch, i == last)
+            x = layer(x, local if layer.self_attn.local_rope else rope, k_cache, v_cache, batch,
+                      i == last)
         return self.model.norm(x)
 
     def _decode_plan(self) -> DecodePlan | None:
@@ -286,4 +322,7 @@ class LlamaForCausalLM(nn.Module):
             logits = self.lm_head(hidden).float()
         if self.config.logits_scaling != 1.0:
             logits = logits / self.config.logits_scaling
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
         return logits

@@ -51,6 +51,8 @@ def build_model(
                          f"unexpected {unexpected[:3]}")
     model.to(device=device)
     cast_floating(model, dtype)
+    if hasattr(model, "prepare_weights"):
+        model.prepare_weights()
     if tied:
         embed = model.model.embed_tokens
         if isinstance(embed, Int8Embedding):

@@ -1,9 +1,9 @@
 """Every family, as a user gets it: a tiny random-weight model from its transformers config
 (every layer kind present: SmolLM3's layers with and without rotary embedding, Granite's
-multipliers away from 1), saved with save_pretrained and pulled from the folder, against
-transformers itself: fp32 logits on prompts of several lengths, whole and chunked; greedy
-tokens through the engine alone, batched and from the prefix cache; at bits 8 and 4 the KL
-divergence from the bits-16 model, bounded."""
+multipliers away from 1, windowed and global layers), saved with save_pretrained and pulled
+from the folder, against transformers itself: fp32 logits on prompts of several lengths,
+whole and chunked; greedy tokens through the engine alone, batched and from the prefix cache;
+at bits 8 and 4 the KL divergence from the bits-16 model, bounded."""
 
 from __future__ import annotations
 
@@ -24,7 +24,10 @@ FAMILIES = [("llama", "llama", {}), ("qwen2", "qwen2", {}), ("qwen3", "qwen3", {
             ("phi3", "phi3", {}),
             # a window far shorter than the prompts (Mistral 7B v0.1: 4,096; Phi-3-mini-4k: 2,047)
             ("mistral-window", "mistral", {"sliding_window": 24}),
-            ("phi3-window", "phi3", {"sliding_window": 40})]
+            ("phi3-window", "phi3", {"sliding_window": 40}),
+            # local (24-token window, own rope base) and global (linear-scaled rope) layers,
+            # (1 + w) norms, sandwich norms, GeGLU, soft-capped logits, tied embeddings
+            ("gemma3", "gemma3", {"tie_word_embeddings": True})]
 CPU = torch.device("cpu")
 LENGTHS = (5, 37, 130)
 # Mean KL(bits 16 || bits B) over the positions of a 130-token prompt, nats, measured on a Zen 4
@@ -141,7 +144,7 @@ def test_which_layers_are_windowed_is_read_from_each_config():
     ({"partial_rotary_factor": 0.75}, "partial rotary embedding"),
     ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}},
      "unsupported rope scaling 'longrope'"),
-    ({"architectures": ["Gemma3ForCausalLM"]}, "unsupported architecture 'Gemma3ForCausalLM'"),
+    ({"architectures": ["Gemma2ForCausalLM"]}, "unsupported architecture 'Gemma2ForCausalLM'"),
 ])
 def test_what_is_not_implemented_yet_is_refused_by_name(change, said):
     from server.models.config import ModelConfig, UnsupportedModelError

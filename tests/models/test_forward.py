@@ -15,7 +15,7 @@ from server.quant.int4 import dequantize_int4, unpack_int4
 from server.quant.int8 import dequantize_int8
 from tests.helpers import hf_model, our_config
 
-ARCHS = ["llama", "qwen2", "qwen3", "granite", "smollm3", "mistral", "phi3"]
+ARCHS = ["llama", "qwen2", "qwen3", "granite", "smollm3", "mistral", "phi3", "gemma3"]
 CPU = torch.device("cpu")
 
 
