@@ -15,20 +15,25 @@ CHAT_TEMPLATE = (
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
-def tiny_vocab() -> tuple[list[str], list[str]]:
+# A reranker's answers as tokens of their own (make_tokenizer(ANSWER_MERGES)): ids 267-269,
+# within VOCAB_SIZE's spare rows
+ANSWER_MERGES = ("y e", "ye s", "n o")
+
+
+def tiny_vocab(extra_merges: tuple[str, ...] = ()) -> tuple[list[str], list[str]]:
     """Special tokens, the 256 byte tokens and a few merges: (tokens, merges)."""
     chars = list(byte_to_unicode().values())
-    merges = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "e r", "o n", "r e"]
+    merges = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "e r", "o n", "r e", *extra_merges]
     merged = [m.replace(" ", "") for m in merges]
     return SPECIAL_TOKENS + chars + merged, merges
 
 
-def make_tokenizer():
-    """A byte-level BPE fast tokenizer with a chat template (vocab 267)."""
+def make_tokenizer(extra_merges: tuple[str, ...] = ()):
+    """A byte-level BPE fast tokenizer with a chat template (vocab 267, more with merges)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    tokens, merges = tiny_vocab()
+    tokens, merges = tiny_vocab(extra_merges)
     vocab = {t: i for i, t in enumerate(tokens)}
     bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ")) for m in merges])
     tok = Tokenizer(bpe)

@@ -2,7 +2,8 @@
 they share (state, errors, body, fields, sse, auth, admission, pagination, owned objects,
 usage, metrics). Imports point one way, each package only to those below it:
 
-    app -> batch -> openai, anthropic, ops -> generation -> the plumbing here
+    app -> batch -> openai, anthropic, rerank, ops -> generation -> the plumbing here
 
-A protocol package (openai, anthropic) never imports another; the batch queue runs both.
+A protocol package (openai, anthropic, rerank) never imports another; the batch queue runs
+the first two.
 """

@@ -162,6 +162,8 @@ class ModelRunner:
                 continue
             if pooling.mode == "mean":
                 vector = self.pooled_sums.pop(seq.seq_id) / seq.num_prompt_tokens
+            elif pooling.token_ids:  # a score: these tokens' logits after the prompt
+                vector = self.model.compute_logits(rows[-1:])[0, list(pooling.token_ids)]
             else:
                 vector = rows[-1].float()
             if pooling.normalize:

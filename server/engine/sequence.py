@@ -79,10 +79,15 @@ class Pooling:
 
     mode: str
     normalize: bool = True  # to unit length
+    # A score instead of a vector: the LM head's logits of these tokens at the last position
+    # (a reranker's "no" and "yes"), mode "last" only
+    token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.mode not in ("mean", "last"):
             raise ValueError(f"unknown pooling mode {self.mode!r}")
+        if self.token_ids and (self.mode != "last" or self.normalize):
+            raise ValueError("token logits are the last position's, not normalized")
 
 
 _seq_ids = itertools.count()

@@ -53,6 +53,10 @@ class Tokenizer:
     def convert_ids_to_tokens(self, token_id: int) -> str | None:
         return self.backend.id_to_token(token_id)
 
+    def convert_tokens_to_ids(self, token: str) -> int | None:
+        """The id of one vocabulary entry, None where it has none (transformers' name)."""
+        return self.backend.token_to_id(token)
+
     def apply_chat_template(self, messages: list[dict[str, Any]], tokenize: bool = False,
                             add_generation_prompt: bool = False,
                             tools: list[dict[str, Any]] | None = None) -> str | list[int]:
