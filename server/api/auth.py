@@ -19,7 +19,7 @@ def tenant_of(key: str) -> str:
 
 
 # Outside /v1, the paths that need a key too (the tokenizer's: tokenize.py)
-KEYED_PATHS = ("/metrics", "/tokenize", "/detokenize", "/tokenizer_info")
+KEYED_PATHS = ("/metrics", "/tokenize", "/detokenize", "/tokenizer_info", "/rerank")
 
 
 class AuthMiddleware:

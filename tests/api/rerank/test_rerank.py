@@ -98,3 +98,10 @@ def test_a_model_without_yes_and_no_tokens_cannot_rerank(server):
     r = httpx.post(f"{server.url}/v1/rerank", headers=server.headers, json={
         "model": TINY, "query": QUERY, "documents": DOCUMENTS}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_supported", r.text
+
+
+@pytest.mark.parametrize("path", ["/v1/rerank", "/rerank"])
+def test_both_paths_need_the_api_key(server, path):
+    r = httpx.post(f"{server.url}{path}", json={"model": TINY, "query": QUERY,
+                                                "documents": DOCUMENTS}, timeout=60)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
