@@ -1,8 +1,10 @@
 """Read a GGUF file into Hugging Face form: config dict, tensors by HF name, tokenizer files.
 
 Tensors are dequantized to fp32 with the gguf package. llama.cpp's converter permutes the rows
-of Llama's q/k projections (interleaved rotary halves); `unpermute` restores HF's layout.
-Config, tokenizer and chat template come from the file's metadata through transformers.
+of Llama-layout q/k projections (interleaved rotary halves); `unpermute` restores HF's layout.
+Config, tokenizer and chat template come from the file's metadata through transformers, which
+reads the architectures it knows; for the others of the Llama layout (OWN_ARCHITECTURES) the
+config is read here from llama.cpp's keys and the tokenizer through transformers' converter.
 """
 
 from __future__ import annotations
@@ -20,6 +22,10 @@ MODEL_TYPE_TO_ARCHITECTURE = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }
+# Architectures transformers does not read from GGUF: llama.cpp writes them in the Llama layout
+# (its tensor names, q/k permuted) with keys of their own (_own_config).
+OWN_ARCHITECTURES = {"granite": "GraniteForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
+PERMUTED_QK = ("llama", *OWN_ARCHITECTURES)
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -67,6 +73,9 @@ def read_config(path: Path) -> dict[str, Any]:
     """The file's model config as a Hugging Face config dict."""
     from transformers import AutoConfig
 
+    architecture = _architecture(path)
+    if architecture in OWN_ARCHITECTURES:
+        return _own_config(path, architecture)
     try:
         config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name).to_dict()
     except ValueError as e:
@@ -76,6 +85,58 @@ def read_config(path: Path) -> dict[str, Any]:
         raise GGUFError(f"unsupported GGUF architecture {model_type!r}")
     config["architectures"] = [MODEL_TYPE_TO_ARCHITECTURE[model_type]]
     return config
+
+
+def _fields(path: Path, keys: tuple[str, ...]) -> dict[str, Any]:
+    """The first value of each metadata key the file has, and its tensors' names."""
+    from transformers.modeling_gguf_pytorch_utils import read_field
+
+    reader = open_reader(path)
+    values = {key: read_field(reader, key) for key in keys}
+    values = {key: v[0] for key, v in values.items() if v}
+    values["tensor names"] = {t.name for t in reader.tensors}
+    return values
+
+
+def _architecture(path: Path) -> str:
+    return _fields(path, ("general.architecture",)).get("general.architecture", "")
+
+
+def _own_config(path: Path, arch: str) -> dict[str, Any]:
+    """An OWN_ARCHITECTURES file's config, from llama.cpp's keys. SmolLM3's layers without
+    rotary embedding are every fourth, as llama.cpp fixes them (its n_no_rope_layer_step)."""
+    keys = ("block_count", "context_length", "embedding_length", "feed_forward_length",
+            "attention.head_count", "attention.head_count_kv", "attention.key_length",
+            "attention.layer_norm_rms_epsilon", "rope.freq_base", "vocab_size",
+            "attention.scale", "embedding_scale", "residual_scale", "logit_scale")
+    f = _fields(path, (*(f"{arch}.{k}" for k in keys), "tokenizer.ggml.bos_token_id",
+                       "tokenizer.ggml.eos_token_id"))
+    get = {k: f.get(f"{arch}.{k}") for k in keys}
+    heads, hidden, layers = (get["attention.head_count"], get["embedding_length"],
+                             get["block_count"])
+    if not heads or not hidden or not layers or not get["vocab_size"]:
+        raise GGUFError(f"{path.name}: the {arch} metadata lacks its shapes")
+    config = {
+        "model_type": arch, "architectures": [OWN_ARCHITECTURES[arch]],
+        "vocab_size": get["vocab_size"], "hidden_size": hidden,
+        "intermediate_size": get["feed_forward_length"], "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": get["attention.head_count_kv"],
+        "head_dim": get["attention.key_length"] or hidden // heads,
+        "rms_norm_eps": get["attention.layer_norm_rms_epsilon"],
+        "rope_theta": get["rope.freq_base"] or 10000.0,
+        "max_position_embeddings": get["context_length"],
+        "tie_word_embeddings": "output.weight" not in f["tensor names"],
+        "bos_token_id": f.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": f.get("tokenizer.ggml.eos_token_id"),
+    }
+    if arch == "granite":
+        config |= {"attention_multiplier": get["attention.scale"],
+                   "embedding_multiplier": get["embedding_scale"],
+                   "residual_multiplier": get["residual_scale"],
+                   "logits_scaling": get["logit_scale"]}
+    if arch == "smollm3":
+        config["no_rope_layers"] = [int((i + 1) % 4 != 0) for i in range(layers)]
+    return {k: v for k, v in config.items() if v is not None}
 
 
 def save_tokenizer(path: Path, out_dir: Path, model_type: str) -> None:
@@ -90,6 +151,9 @@ def save_tokenizer(path: Path, out_dir: Path, model_type: str) -> None:
     from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
 
     folder, kwargs = str(path.parent), {"gguf_file": path.name}
+    if model_type in OWN_ARCHITECTURES:  # transformers' loader refuses the architecture
+        _own_tokenizer(path).save_pretrained(str(out_dir))
+        return
     if TOKENIZER_MAPPING_NAMES.get(model_type):
         tokenizer = AutoTokenizer.from_pretrained(folder, tokenizer_type=model_type, **kwargs)
     else:
@@ -97,12 +161,35 @@ def save_tokenizer(path: Path, out_dir: Path, model_type: str) -> None:
     tokenizer.save_pretrained(str(out_dir))
 
 
+def _own_tokenizer(path: Path):
+    """An OWN_ARCHITECTURES file's tokenizer and chat template, through transformers' GGUF
+    tokenizer converter (which reads any architecture's tokenizer keys)."""
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
+
+    architecture, tokenizer_dict, tokenizer_config = get_gguf_tokenizer(str(path))
+    backend, extra = convert_gguf_tokenizer(architecture, tokenizer_dict)
+    template = _fields(path, ("tokenizer.chat_template",)).get("tokenizer.chat_template")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, **(tokenizer_config | extra))
+    if template:
+        tokenizer.chat_template = template
+    return tokenizer
+
+
 def open_reader(path: Path):
-    """The file's tensors (gguf.GGUFReader): parsing its metadata takes seconds (the vocabulary
-    and merges are ~100,000 strings), so a pull opens it once for the count and the tensors."""
+    """The file (gguf.GGUFReader), parsed once for a pull: parsing its metadata takes seconds
+    (the vocabulary and merges are ~100,000 strings), and the config, the tokenizer's template
+    and the tensors all read it (the last reader kept, for the same unchanged file)."""
     import gguf
 
-    return gguf.GGUFReader(path)
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_mtime_ns, stat.st_size)
+    if _last_reader.get("key") != key:
+        _last_reader.update(key=key, reader=gguf.GGUFReader(path))
+    return _last_reader["reader"]
+
+
+_last_reader: dict[str, Any] = {}
 
 
 def iter_tensors(reader, config: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -111,7 +198,7 @@ def iter_tensors(reader, config: dict[str, Any]) -> Iterator[tuple[str, torch.Te
     import numpy as np
     import torch
 
-    permute_qk = config["model_type"] == "llama"
+    permute_qk = config["model_type"] in PERMUTED_QK
     num_heads = config["num_attention_heads"]
     num_kv_heads = config.get("num_key_value_heads") or num_heads
     for t in reader.tensors:

@@ -1,0 +1,97 @@
+"""GGUF files as llama.cpp's own converter writes them (convert_hf_to_gguf.py from the
+llama-cpp-python sdist, fetched once into the test cache): each family's tiny model, saved with
+save_pretrained and converted, pulls with the same tokenizer and the same logits as its folder.
+
+The converter's byte-level BPE path needs a tokenizer it knows: the models take the real
+SmolLM2's (its vocabulary of 49,152). Families whose converter needs a SentencePiece
+tokenizer.model (Phi-3, Gemma) or a pre-tokenizer it does not know here (Qwen2/3) are not
+among them yet."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from server.models.loader import load_model
+from server.models.simple import prompt_logits
+from storage.models import ModelStore
+from tests.helpers import hf_model, pull_into
+
+pytestmark = pytest.mark.real_model  # the real smollm2-135m's tokenizer
+SDIST = "llama-cpp-python==0.3.36"
+VENDOR = "llama_cpp_python-0.3.36/vendor/llama.cpp/"
+PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
+FAMILIES = {"llama": {}, "mistral": {}, "granite": {},
+            # llama.cpp leaves rotary out of every fourth layer, as SmolLM3 does
+            "smollm3": {"num_hidden_layers": 4, "no_rope_layer_interval": 4}}
+
+
+@pytest.fixture(scope="session")
+def converter(real_home) -> Path:
+    """convert_hf_to_gguf.py and what it imports, from the sdist (downloaded once)."""
+    pytest.importorskip("sentencepiece", reason="the converter imports sentencepiece "
+                        "(pip install -e '.[test]')")
+    root = real_home / "llama.cpp-converter"
+    script = root / VENDOR / PARTS[0]
+    if not script.is_file():
+        download = real_home / "sdist"
+        got = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
+                              "--no-binary", ":all:", "-d", str(download), SDIST],
+                             capture_output=True, text=True, timeout=900)
+        archives = list(download.glob("llama_cpp_python-*.tar.gz"))
+        if got.returncode or not archives:
+            pytest.skip(f"pip could not fetch the {SDIST} sdist: {got.stderr.strip()[-300:]}")
+        with tarfile.open(archives[0]) as tar:
+            members = [m for m in tar.getmembers()
+                       if any(m.name.startswith(VENDOR + part) for part in PARTS)]
+            tar.extractall(root, members=members, filter="data")
+        shutil.rmtree(download, ignore_errors=True)
+    return script
+
+
+@pytest.fixture(scope="session")
+def tokenizer_files(real_home) -> Path:
+    """The real SmolLM2 tokenizer's files (pulled by the real-model tests' fixture)."""
+    env = dict(os.environ, LOCALSERVE_HOME=str(real_home))
+    pull = subprocess.run([sys.executable, "-m", "cli.main", "pull", "smollm2-135m", "--bits",
+                           "4"], capture_output=True, text=True, env=env, timeout=600)
+    assert pull.returncode == 0, pull.stderr[-2000:]
+    return real_home / "models" / "smollm2-135m:int4"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_converted_gguf_pulls_as_its_folder(family, converter, tokenizer_files, tmp_path,
+                                            monkeypatch):
+    hf = hf_model(family, seed=9, vocab_size=49152, tie_word_embeddings=True,
+                  **FAMILIES[family])
+    folder = tmp_path / f"tiny-{family}"
+    hf.save_pretrained(folder, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_files / name, folder / name)
+    gguf = tmp_path / f"tiny-{family}-converted.gguf"
+    run = subprocess.run([sys.executable, str(converter), str(folder), "--outfile", str(gguf),
+                          "--outtype", "f32"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    home = tmp_path / "home"
+    pull_into(home, folder)
+    pull_into(home, gguf)
+    monkeypatch.setenv("LOCALSERVE_HOME", str(home))
+    store = ModelStore()
+    ours = [load_model(store.resolve(name), torch.device("cpu"), torch.float32).model
+            for name in (f"tiny-{family}:bf16", f"tiny-{family}-converted:bf16")]
+    ids = torch.randint(3, 40000, (60,), generator=torch.Generator().manual_seed(2)).tolist()
+    torch.testing.assert_close(prompt_logits(ours[1], ids), prompt_logits(ours[0], ids),
+                               atol=1e-5, rtol=0)
+    from transformers import AutoTokenizer
+
+    text = "The capital of France is Paris, 2 + 2 = 4.\n<|im_start|>user"
+    folder_tok, gguf_tok = (AutoTokenizer.from_pretrained(str(store.resolve(name).path))
+                            for name in (f"tiny-{family}:bf16", f"tiny-{family}-converted:bf16"))
+    assert gguf_tok.encode(text) == folder_tok.encode(text)
