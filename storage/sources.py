@@ -57,6 +57,10 @@ CATALOGUE: dict[str, CatalogueEntry] = {
     "granite-3.3-2b": CatalogueEntry("ibm-granite/granite-3.3-2b-instruct"),
     "granite-3.3-8b": CatalogueEntry("ibm-granite/granite-3.3-8b-instruct"),
     "gemma3-1b": CatalogueEntry("google/gemma-3-1b-it"),
+    "llama3.2-1b": CatalogueEntry("meta-llama/Llama-3.2-1B-Instruct"),
+    "llama3.2-3b": CatalogueEntry("meta-llama/Llama-3.2-3B-Instruct"),
+    "mistral-7b": CatalogueEntry("mistralai/Mistral-7B-Instruct-v0.3"),
+    "phi3-mini": CatalogueEntry("microsoft/Phi-3-mini-4k-instruct"),
 }
 DEFAULT_MODEL = "smollm2-135m"
 

@@ -20,6 +20,11 @@ from tests.helpers import hf_model, pull_into, save_hf_folder
 
 # (name, transformers family, config overrides): every layer kind of each family
 FAMILIES = [("llama", "llama", {}), ("qwen2", "qwen2", {}), ("qwen3", "qwen3", {}),
+            # Llama 3.x: llama3 rope scaling (its original context short enough to matter
+            # here), tied embeddings as 3.2 1B/3B
+            ("llama3", "llama", {"tie_word_embeddings": True, "rope_scaling": {
+                "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
             ("granite", "granite", {}), ("smollm3", "smollm3", {}), ("mistral", "mistral", {}),
             ("phi3", "phi3", {}),
             # a window far shorter than the prompts (Mistral 7B v0.1: 4,096; Phi-3-mini-4k: 2,047)
