@@ -54,15 +54,32 @@ int rms_norm(const void *x, const void *weight, void *out, int64_t t, int64_t h,
     return 0;
 }
 
+/* One row of d values normalized in place as rms_norm computes a row (its output rounded to the
+ * dtype, `bf16`, as that function stores it). */
+static inline void norm_row(float *x, const void *weight, int64_t d, double eps, int bf16) {
+    float w[MAX_DIM];
+    load_row(w, weight, d, bf16);
+    float inv = 1.0f / sqrtf(dot(x, x, d) / (float)d + (float)eps);
+    for (int64_t i = 0; i < d; i++) {
+        float v = x[i] * inv;
+        if (bf16) v = bf16_to_float(float_to_bf16(v));
+        v = w[i] * v;
+        x[i] = bf16 ? bf16_to_float(float_to_bf16(v)) : v;
+    }
+}
+
 /* Rotary embedding and cache write for t tokens of a fused q|k|v projection.
  * qkv: [t, row_stride] (q heads first, then k, then v, each head d wide), dtype `bf16`;
  * cos/sin: fp32 [max_pos, d] tables; q_out: [t, hq, d] roped queries, dtype `bf16`;
  * k_cache/v_cache: [hkv, num_slots, d], dtype `cache_bf16`; token i's k (roped) and v go to
- * slot slots[i]. Rotation as rotate_half: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s). */
+ * slot slots[i]. Rotation as rotate_half: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s).
+ * q_norm/k_norm (d weights, dtype `bf16`; NULL: none): each q and k head is RMS-normalized
+ * first (Qwen3, Gemma 3), with the bits rms_norm gives the row. */
 int rope_store(const void *qkv, int64_t t, int64_t row_stride, int64_t hq, int64_t hkv,
                int64_t d, const float *cos_t, const float *sin_t, const int64_t *positions,
                const int64_t *slots, void *q_out, void *k_cache, void *v_cache,
-               int64_t num_slots, int bf16, int cache_bf16) {
+               int64_t num_slots, int bf16, int cache_bf16, const void *q_norm,
+               const void *k_norm, double eps) {
     if (d % 2 || d > MAX_DIM) return 1;
     size_t es = bf16 ? 2 : 4, ces = cache_bf16 ? 2 : 4;
     int64_t half = d / 2, heads = hq + 2 * hkv;
@@ -72,6 +89,8 @@ int rope_store(const void *qkv, int64_t t, int64_t row_stride, int64_t hq, int64
         float x[MAX_DIM], y[MAX_DIM];
         const float *c = cos_t + positions[i] * d, *s = sin_t + positions[i] * d;
         load_row(x, (const char *)qkv + (i * row_stride + h * d) * es, d, bf16);
+        const void *norm = h < hq ? q_norm : h < hq + hkv ? k_norm : NULL;
+        if (norm != NULL) norm_row(x, norm, d, eps, bf16);
         if (h < hq + hkv) {
             for (int64_t j = 0; j < half; j++) {
                 y[j] = x[j] * c[j] - x[j + half] * s[j];

@@ -36,7 +36,7 @@ _P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
 _SIGNATURES = {
     "rms_norm": [_P, _P, _P, _I, _I, _D, ctypes.c_int],
     "rope_store": [_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I, ctypes.c_int,
-                   ctypes.c_int],
+                   ctypes.c_int, _P, _P, _D],
     "paged_decode": [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _D, ctypes.c_int,
                      ctypes.c_int],
     "paged_prompt": [_P, _P, _P, _P, _I, _I, _P, _I, _I, _I, _I, _D, ctypes.c_int,
@@ -101,24 +101,30 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 def rope_store(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
                cos_table: torch.Tensor, sin_table: torch.Tensor, positions: torch.Tensor,
                slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               lib=None) -> torch.Tensor | None:
+               lib=None, q_norm: torch.Tensor | None = None,
+               k_norm: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor | None:
     """From a fused q|k|v projection [T, (Hq + 2 Hkv) * D]: the rotated queries [T, Hq, D],
-    the rotated keys and the values written to the caches at `slots`. None: not here (nothing
-    written)."""
+    the rotated keys and the values written to the caches at `slots`; with q_norm and k_norm
+    (RMSNorm weights [D], eps) each q and k head normalized first, as rms_norm would. None: not
+    here (nothing written)."""
     lib = lib or _lib()
     t = qkv.shape[0]
+    norms = tuple(n for n in (q_norm, k_norm) if n is not None)
     if (lib is None or head_dim > MAX_DIM or head_dim % 2 or k_cache.dtype != v_cache.dtype
             or cos_table.dtype != torch.float32 or positions.dtype != torch.int64
             or slots.dtype != torch.int64 or qkv.stride(-1) != 1
-            or not _fits(cos_table, sin_table, positions, slots, k_cache, v_cache)
-            or qkv.device.type != "cpu" or qkv.dtype not in _DTYPES):
+            or not _fits(cos_table, sin_table, positions, slots, k_cache, v_cache, *norms)
+            or qkv.device.type != "cpu" or qkv.dtype not in _DTYPES
+            or any(n.dtype != qkv.dtype or n.numel() != head_dim for n in norms)):
         return None
     q = qkv.new_empty(t, num_heads, head_dim)
     if lib.rope_store(qkv.data_ptr(), t, qkv.stride(0), num_heads, num_kv_heads, head_dim,
                       cos_table.data_ptr(), sin_table.data_ptr(), positions.data_ptr(),
                       slots.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                       k_cache.shape[1], qkv.dtype == torch.bfloat16,
-                      k_cache.dtype == torch.bfloat16):
+                      k_cache.dtype == torch.bfloat16,
+                      None if q_norm is None else q_norm.data_ptr(),
+                      None if k_norm is None else k_norm.data_ptr(), eps):
         return None
     return q
 
@@ -247,6 +253,9 @@ def _check_attention(lib, dtype: torch.dtype, tol: float, g: torch.Generator) ->
             or not all(torch.allclose(a.float(), b.float(), rtol=tol, atol=tol)
                        for a, b in zip(caches, before, strict=True))):
         return f"rope_store {dtype}"
+    problem = _check_normed_rope(lib, qkv, hq, hkv, cos, sin, positions, where, g)
+    if problem:
+        return problem
     lens = torch.tensor([1, 50, 96, 17])
     ctx = torch.stack([torch.randperm(slots - 1, generator=g) for _ in lens])
     qd = torch.randn(len(lens), hq, d, generator=g).to(dtype)
@@ -263,6 +272,24 @@ def _check_attention(lib, dtype: torch.dtype, tol: float, g: torch.Generator) ->
                 or alone is None or not torch.equal(alone[0], got[i])):
             return f"paged_decode {dtype} row {i}"
     return _check_prompt(lib, dtype, tol, caches, ctx[2], g)
+
+
+def _check_normed_rope(lib, qkv, hq, hkv, cos, sin, positions, slots, g) -> str | None:
+    """rope_store with q/k norms: the bits of rms_norm on each q and k head, then rope_store."""
+    t, d, dtype = qkv.shape[0], qkv.shape[1] // (hq + 2 * hkv), qkv.dtype
+    qn, kn = ((torch.rand(d, generator=g) + 0.5).to(dtype) for _ in range(2))
+    heads = qkv.view(t, hq + 2 * hkv, d)
+    normed = torch.cat([rms_norm(heads[:, :hq].reshape(-1, d), qn, 1e-6, lib).view(t, hq, d),
+                        rms_norm(heads[:, hq:hq + hkv].reshape(-1, d), kn, 1e-6, lib).view(
+                            t, hkv, d), heads[:, hq + hkv:]], dim=1).reshape(t, -1)
+    caches = [[torch.zeros(hkv, 97, d, dtype=dtype) for _ in range(2)] for _ in range(2)]
+    fused = rope_store(qkv, hq, hkv, d, cos, sin, positions, slots, *caches[0], lib=lib,
+                       q_norm=qn, k_norm=kn, eps=1e-6)
+    apart = rope_store(normed, hq, hkv, d, cos, sin, positions, slots, *caches[1], lib=lib)
+    if (fused is None or apart is None or not torch.equal(fused, apart)
+            or not all(torch.equal(a, b) for a, b in zip(*caches, strict=True))):
+        return f"rope_store with q/k norms {dtype}"
+    return None
 
 
 def _check_prompt(lib, dtype: torch.dtype, tol: float, caches: list[torch.Tensor],

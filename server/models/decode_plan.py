@@ -39,6 +39,8 @@ class _Layer:
     down: Packed
     uses_rope: bool = True  # False: the identity rotation (Rotary.identity), as the module
     window: int | None = None  # its attention window (AttentionGroup.within), as the module
+    q_norm: torch.Tensor | None = None  # per-head q/k RMSNorm weights (Qwen3), as the module
+    k_norm: torch.Tensor | None = None
 
 
 def _fits(m: nn.Module | None, shape: tuple[int, int]) -> bool:
@@ -92,14 +94,16 @@ class DecodePlan:
             attn, mlp = layer.self_attn, layer.mlp
             parts = (getattr(attn, "qkv_proj", None), attn.o_proj,
                      getattr(mlp, "gate_up_proj", None), mlp.down_proj)
-            if hasattr(attn, "q_norm") or not all(
-                    _fits(m, shape) for m, shape in zip(parts, shapes, strict=True)):
+            if not all(_fits(m, shape) for m, shape in zip(parts, shapes, strict=True)):
+                return None
+            qk = (attn.q_norm, attn.k_norm) if hasattr(attn, "q_norm") else ()
+            if any(n.eps != c.rms_norm_eps for n in qk):
                 return None
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
             if any(n.eps != c.rms_norm_eps for n in norms):
                 return None
             layers.append(_Layer(norms[0].weight, norms[1].weight, *parts, attn.uses_rope,
-                                 attn.window))
+                                 attn.window, *(n.weight for n in qk)))
         return DecodePlan(model, layers)
 
     def takes(self, x: torch.Tensor, batch, kv_caches) -> bool:
@@ -182,8 +186,10 @@ class DecodePlan:
             failed |= ops.rms_norm(xp, la.norm1.data_ptr(), np_, t, h, self.eps, bf16)
             failed |= mm(la.qkv, normed, qkv, nq + 2 * nkv, h)
             cos, sin, pos = tables[la.uses_rope]
+            qn, kn = (None if n is None else n.data_ptr() for n in (la.q_norm, la.k_norm))
             failed |= ops.rope_store(qkvp, t, nq + 2 * nkv, self.hq, self.hkv, self.d, cos, sin,
-                                     pos, slots, qp, kc, vc, num_slots, bf16, cache_bf16)
+                                     pos, slots, qp, kc, vc, num_slots, bf16, cache_bf16, qn, kn,
+                                     self.eps)
             ctx, lens, max_ctx = contexts[la.window]
             failed |= ops.paged_decode(qp, kc, vc, ctx, lens, ap, t, self.hq, self.hkv, self.d,
                                        max_ctx, num_slots, self.scale, bf16, cache_bf16)

@@ -143,9 +143,12 @@ class Attention(nn.Module):
         rope = rope if self.uses_rope else rope.identity()
         if self.qkv_proj is not None:
             qkv = self.qkv_proj(x, rows)
-            q = None if hasattr(self, "q_norm") else layer_ops.rope_store(
+            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if hasattr(
+                self, "q_norm") else (None, None, 0.0)
+            q = layer_ops.rope_store(
                 qkv, self.num_heads, self.num_kv_heads, self.head_dim, rope.cos_table,
-                rope.sin_table, rope.positions, meta.slot_mapping, k_cache, v_cache)
+                rope.sin_table, rope.positions, meta.slot_mapping, k_cache, v_cache, None,
+                *norms)
             if q is None:
                 nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
                 q = self._rope_store(*qkv.split([nq, nkv, nkv], dim=-1), rope, k_cache,

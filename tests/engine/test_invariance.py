@@ -57,6 +57,9 @@ def random_state(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
                   p + "mlp.up_proj.weight": rnd(inter, h),
                   p + "mlp.down_proj.weight": rnd(h, inter),
                   p + "input_layernorm.weight": ones, p + "post_attention_layernorm.weight": ones}
+        if config.qk_norm:
+            state |= {p + "self_attn.q_norm.weight": rnd(d, std=0.2) + 1,
+                      p + "self_attn.k_norm.weight": rnd(d, std=0.2) + 1}
     return state
 
 
@@ -250,10 +253,36 @@ def test_decode_steps_take_the_decode_plan_and_give_the_modules_numbers(weights,
     our kernels' layout, or unquantized (dense_gemm.c), in either compute dtype (fp32 where the
     kernels take bf16 only: x rounded and their outputs widened, as the layers do); the same
     request with the plan off (the modules) gets the same tokens and logprobs bit for bit."""
+    plan_gives_the_modules_numbers(build_model(*weights, CPU, dtype), dtype, monkeypatch)
+
+
+# Each family's layer kinds that the decode plan runs, on SmolLM2-135M's shape at int4
+PLANNED_FAMILIES = {
+    "qwen3 (q/k norms)": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"},
+    "mistral (a 64-token window)": {"architectures": ["MistralForCausalLM"],
+                                    "sliding_window": 64},
+    "granite (multipliers)": {"architectures": ["GraniteForCausalLM"],
+                              "embedding_multiplier": 12.0, "residual_multiplier": 0.22,
+                              "attention_multiplier": 0.015625, "logits_scaling": 8.0},
+    "smollm3 (rotary-less layers)": {"architectures": ["SmolLM3ForCausalLM"],
+                                     "no_rope_layers": [int((i + 1) % 4 != 0)
+                                                        for i in range(30)]},
+}
+
+
+@pytest.mark.parametrize("family", PLANNED_FAMILIES)
+def test_each_family_s_decode_steps_give_the_modules_numbers(family, monkeypatch):
+    config = ModelConfig.from_hf(SMOLLM2_135M | PLANNED_FAMILIES[family])
+    state, schemes = quantize_state_dict(random_state(config), 4)
+    dtype = pick_dtype(CPU, None, 4)
+    plan_gives_the_modules_numbers(build_model(config, state, schemes, CPU, dtype), dtype,
+                                   monkeypatch)
+
+
+def plan_gives_the_modules_numbers(model, dtype, monkeypatch) -> None:
     from server.kernels import cpu_gemm
     from server.models.decode_plan import DecodePlan
 
-    model = build_model(*weights, CPU, dtype)
     plan = model._decode_plan()
     if cpu_gemm.checked() is None:  # no kernels here
         assert plan is None
