@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 import server.kernels.cpu_gemm as cpu_gemm
 import server.kernels.layer_ops as layer_ops
@@ -41,6 +40,9 @@ class _Layer:
     window: int | None = None  # its attention window (AttentionGroup.within), as the module
     q_norm: torch.Tensor | None = None  # per-head q/k RMSNorm weights (Qwen3), as the module
     k_norm: torch.Tensor | None = None
+    post_attn: torch.Tensor | None = None  # Gemma's norms of the attention's and the MLP's
+    post_ffn: torch.Tensor | None = None  # outputs (norm2 is then the MLP's input norm)
+    local_rope: bool = False  # Gemma's windowed layers: the model's local rope tables
 
 
 def _fits(m: nn.Module | None, shape: tuple[int, int]) -> bool:
@@ -70,6 +72,7 @@ class DecodePlan:
         self.eps = c.rms_norm_eps
         self.scale = c.scale
         self.residual_multiplier = c.residual_multiplier
+        self.act = model.model.layers[0].mlp.act  # the gated MLP's activation, as the modules
         self.layers = layers
         self.ops, self.gemm_lib = layer_ops._lib(), cpu_gemm.checked()
         self.max_group_count = max([m.in_features // m.group_size for la in layers for m in (
@@ -81,8 +84,6 @@ class DecodePlan:
         if not layer_ops.enabled() or cpu_gemm.checked() is None:
             return None
         c = model.config
-        if c.sandwich_norms or c.activation != "silu" or c.local_rope_theta is not None:
-            return None  # Gemma's layers: the modules run them (not planned yet)
         if (c.head_dim % 16 or c.head_dim > layer_ops.MAX_DIM
                 or c.hidden_size > layer_ops.MAX_HIDDEN or c.num_heads % c.num_kv_heads):
             return None
@@ -99,11 +100,18 @@ class DecodePlan:
             qk = (attn.q_norm, attn.k_norm) if hasattr(attn, "q_norm") else ()
             if any(n.eps != c.rms_norm_eps for n in qk):
                 return None
-            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            if layer.sandwich:  # Gemma: input, post-attention, pre- and post-MLP norms
+                norms = (layer.input_layernorm, layer.pre_feedforward_layernorm,
+                         layer.post_attention_layernorm, layer.post_feedforward_layernorm)
+            else:
+                norms = (layer.input_layernorm, layer.post_attention_layernorm)
             if any(n.eps != c.rms_norm_eps for n in norms):
                 return None
-            layers.append(_Layer(norms[0].weight, norms[1].weight, *parts, attn.uses_rope,
-                                 attn.window, *(n.weight for n in qk)))
+            weights = [n.weight for n in norms] + [None, None]
+            layers.append(_Layer(
+                weights[0], weights[1], *parts, uses_rope=attn.uses_rope, window=attn.window,
+                q_norm=qk[0].weight if qk else None, k_norm=qk[1].weight if qk else None,
+                post_attn=weights[2], post_ffn=weights[3], local_rope=attn.local_rope))
         return DecodePlan(model, layers)
 
     def takes(self, x: torch.Tensor, batch, kv_caches) -> bool:
@@ -126,8 +134,9 @@ class DecodePlan:
                 and self.layers[0].norm1.dtype == x.dtype
                 and all(i.dtype == torch.int64 and i.is_contiguous() for i in index))
 
-    def run(self, x: torch.Tensor, rope, kv_caches, batch) -> torch.Tensor:
-        """x [T, hidden] (the embeddings, updated in place) -> the last layer's output."""
+    def run(self, x: torch.Tensor, rope, kv_caches, batch, local=None) -> torch.Tensor:
+        """x [T, hidden] (the embeddings, updated in place) -> the last layer's output.
+        `local`: windowed layers' own rope (Gemma 3), where the model has it."""
         meta = batch.attention
         g = meta.groups[0]
         t, h, dt = x.shape[0], self.hidden, x.dtype
@@ -150,8 +159,9 @@ class DecodePlan:
             xb, yb = (torch.empty(t * width, dtype=torch.bfloat16) for _ in range(2))
         xp, np_, qkvp, qp, ap, xs = (a.data_ptr() for a in (x, normed, qkv, q, att, xsum))
         identity = rope.identity() if not all(la.uses_rope for la in self.layers) else rope
-        tables = {flag: tuple(r.data_ptr() for r in (ro.cos_table, ro.sin_table, ro.positions))
-                  for flag, ro in ((True, rope), (False, identity))}
+        ropes = {(True, False): rope, (False, False): identity, (True, True): local or rope}
+        tables = {key: tuple(r.data_ptr() for r in (ro.cos_table, ro.sin_table, ro.positions))
+                  for key, ro in ropes.items()}  # by (uses rope, local tables)
         slots = meta.slot_mapping.data_ptr()
         views = {la.window: g.within(la.window) for la in self.layers}  # kept alive here
         contexts = {w: (v.context_slots.data_ptr(), v.lens.data_ptr(), v.context_slots.shape[1])
@@ -185,7 +195,7 @@ class DecodePlan:
             kc, vc = k_cache.data_ptr(), v_cache.data_ptr()
             failed |= ops.rms_norm(xp, la.norm1.data_ptr(), np_, t, h, self.eps, bf16)
             failed |= mm(la.qkv, normed, qkv, nq + 2 * nkv, h)
-            cos, sin, pos = tables[la.uses_rope]
+            cos, sin, pos = tables[la.uses_rope, la.local_rope]
             qn, kn = (None if n is None else n.data_ptr() for n in (la.q_norm, la.k_norm))
             failed |= ops.rope_store(qkvp, t, nq + 2 * nkv, self.hq, self.hkv, self.d, cos, sin,
                                      pos, slots, qp, kc, vc, num_slots, bf16, cache_bf16, qn, kn,
@@ -194,11 +204,17 @@ class DecodePlan:
             failed |= ops.paged_decode(qp, kc, vc, ctx, lens, ap, t, self.hq, self.hkv, self.d,
                                        max_ctx, num_slots, self.scale, bf16, cache_bf16)
             failed |= mm(la.o, att, proj, h, nq)
+            if la.post_attn is not None:  # in place: rms_norm reads a row before writing it
+                failed |= ops.rms_norm(proj.data_ptr(), la.post_attn.data_ptr(),
+                                       proj.data_ptr(), t, h, self.eps, bf16)
             add_residual(x, proj, self.residual_multiplier)
             failed |= ops.rms_norm(xp, la.norm2.data_ptr(), np_, t, h, self.eps, bf16)
             failed |= mm(la.gate_up, normed, gu, 2 * self.inter, h)
-            act = F.silu(gate) * up
+            act = self.act(gate) * up
             failed |= mm(la.down, act, proj, h, self.inter)
+            if la.post_ffn is not None:
+                failed |= ops.rms_norm(proj.data_ptr(), la.post_ffn.data_ptr(),
+                                       proj.data_ptr(), t, h, self.eps, bf16)
             add_residual(x, proj, self.residual_multiplier)
         if failed:  # shapes were checked when the plan was built: a kernel's own refusal
             raise RuntimeError("a CPU kernel declined a decode step it was planned for")

@@ -302,7 +302,7 @@ class LlamaForCausalLM(nn.Module):
             if self._local_rope else rope
         plan = self._decode_plan() if x.device.type == "cpu" else None
         if plan is not None and plan.takes(x, batch, kv_caches):
-            return self.model.norm(plan.run(x, rope, kv_caches, batch))
+            return self.model.norm(plan.run(x, rope, kv_caches, batch, local))
         last = len(self.model.layers) - 1
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.model.layers, kv_caches,
                                                             strict=True)):

@@ -44,7 +44,8 @@ def random_state(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
     def rnd(*shape, std=0.05):
         return (torch.randn(*shape, generator=g) * std).to(torch.bfloat16)
 
-    ones = torch.ones(h, dtype=torch.bfloat16)
+    # RMSNorm weights at their neutral value: 1, or 0 where the norm scales by (1 + w) (Gemma)
+    ones = torch.full((h,), 1.0 - config.norm_offset, dtype=torch.bfloat16)
     state = {"model.embed_tokens.weight": rnd(config.vocab_size, h, std=0.5),
              "model.norm.weight": ones}
     for i in range(config.num_layers):
@@ -58,8 +59,11 @@ def random_state(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
                   p + "mlp.down_proj.weight": rnd(h, inter),
                   p + "input_layernorm.weight": ones, p + "post_attention_layernorm.weight": ones}
         if config.qk_norm:
-            state |= {p + "self_attn.q_norm.weight": rnd(d, std=0.2) + 1,
-                      p + "self_attn.k_norm.weight": rnd(d, std=0.2) + 1}
+            state |= {p + "self_attn.q_norm.weight": rnd(d, std=0.2) + 1 - config.norm_offset,
+                      p + "self_attn.k_norm.weight": rnd(d, std=0.2) + 1 - config.norm_offset}
+        if config.sandwich_norms:
+            state |= {p + "pre_feedforward_layernorm.weight": ones,
+                      p + "post_feedforward_layernorm.weight": ones}
     return state
 
 
@@ -267,6 +271,12 @@ PLANNED_FAMILIES = {
     "smollm3 (rotary-less layers)": {"architectures": ["SmolLM3ForCausalLM"],
                                      "no_rope_layers": [int((i + 1) % 4 != 0)
                                                         for i in range(30)]},
+    "gemma3 (sandwich norms, GeGLU, local layers)": {
+        "architectures": ["Gemma3ForCausalLM"], "sliding_window": 64,
+        "query_pre_attn_scalar": 64, "rope_local_base_freq": 10000.0,
+        "final_logit_softcapping": 30.0,
+        "layer_types": ["sliding_attention" if (i + 1) % 6 else "full_attention"
+                        for i in range(30)]},
 }
 
 
