@@ -134,6 +134,18 @@ class DecodePlan:
                 and self.layers[0].norm1.dtype == x.dtype
                 and all(i.dtype == torch.int64 and i.is_contiguous() for i in index))
 
+    def _inputs(self, rope, local, g) -> tuple[list, dict, dict]:
+        """The rope tables of each layer kind, by (uses rope, local tables), and the decode
+        group as each window sees it, as pointers; with the objects that hold them."""
+        identity = rope.identity() if not all(la.uses_rope for la in self.layers) else rope
+        ropes = {(True, False): rope, (False, False): identity, (True, True): local or rope}
+        tables = {key: tuple(r.data_ptr() for r in (ro.cos_table, ro.sin_table, ro.positions))
+                  for key, ro in ropes.items()}
+        views = {la.window: g.within(la.window) for la in self.layers}
+        contexts = {w: (v.context_slots.data_ptr(), v.lens.data_ptr(), v.context_slots.shape[1])
+                    for w, v in views.items()}
+        return [ropes, views], tables, contexts
+
     def run(self, x: torch.Tensor, rope, kv_caches, batch, local=None) -> torch.Tensor:
         """x [T, hidden] (the embeddings, updated in place) -> the last layer's output.
         `local`: windowed layers' own rope (Gemma 3), where the model has it."""
@@ -158,14 +170,8 @@ class DecodePlan:
             width = max(h, nq + 2 * nkv, 2 * self.inter)
             xb, yb = (torch.empty(t * width, dtype=torch.bfloat16) for _ in range(2))
         xp, np_, qkvp, qp, ap, xs = (a.data_ptr() for a in (x, normed, qkv, q, att, xsum))
-        identity = rope.identity() if not all(la.uses_rope for la in self.layers) else rope
-        ropes = {(True, False): rope, (False, False): identity, (True, True): local or rope}
-        tables = {key: tuple(r.data_ptr() for r in (ro.cos_table, ro.sin_table, ro.positions))
-                  for key, ro in ropes.items()}  # by (uses rope, local tables)
+        kept, tables, contexts = self._inputs(rope, local, g)  # `kept` holds what they point at
         slots = meta.slot_mapping.data_ptr()
-        views = {la.window: g.within(la.window) for la in self.layers}  # kept alive here
-        contexts = {w: (v.context_slots.data_ptr(), v.lens.data_ptr(), v.context_slots.shape[1])
-                    for w, v in views.items()}
         num_slots = kv_caches[0][0].shape[1]
 
         def mm(m: Packed, xin: torch.Tensor, yout: torch.Tensor, n: int, k: int) -> int:
