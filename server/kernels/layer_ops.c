@@ -31,8 +31,20 @@ static inline float dot(const float *a, const float *b, int64_t n) {
 
 #define MAX_HIDDEN 16384  /* the widest row rms_norm takes */
 
-/* RMSNorm of t rows of h values: y = weight * round(x / rms(x)) as the reference implementation
- * computes it (normalize in fp32, round to the input dtype, scale in the input dtype). */
+/* One row of n values normalized in place as the reference implementation does it:
+ * normalize in fp32, round to the dtype (`bf16`), scale by the weights w (fp32 copies of the
+ * dtype's values), the result rounded to the dtype. */
+static inline void norm_row(float *x, const float *w, int64_t n, double eps, int bf16) {
+    float inv = 1.0f / sqrtf(dot(x, x, n) / (float)n + (float)eps);
+    for (int64_t i = 0; i < n; i++) {
+        float v = x[i] * inv;
+        if (bf16) v = bf16_to_float(float_to_bf16(v));
+        v = w[i] * v;
+        x[i] = bf16 ? bf16_to_float(float_to_bf16(v)) : v;
+    }
+}
+
+/* RMSNorm of t rows of h values: y = weight * round(x / rms(x)) (norm_row). */
 int rms_norm(const void *x, const void *weight, void *out, int64_t t, int64_t h, double eps,
              int bf16) {
     if (h > MAX_HIDDEN) return 1;
@@ -42,30 +54,10 @@ int rms_norm(const void *x, const void *weight, void *out, int64_t t, int64_t h,
         size_t es = bf16 ? 2 : 4;
         load_row(row, (const char *)x + r * h * es, h, bf16);
         load_row(w, weight, h, bf16);
-        float ss = dot(row, row, h);
-        float inv = 1.0f / sqrtf(ss / (float)h + (float)eps);
-        for (int64_t i = 0; i < h; i++) {
-            float v = row[i] * inv;
-            if (bf16) v = bf16_to_float(float_to_bf16(v));
-            row[i] = w[i] * v;
-        }
+        norm_row(row, w, h, eps, bf16);
         store_row((char *)out + r * h * es, row, h, bf16);
     }
     return 0;
-}
-
-/* One row of d values normalized in place as rms_norm computes a row (its output rounded to the
- * dtype, `bf16`, as that function stores it). */
-static inline void norm_row(float *x, const void *weight, int64_t d, double eps, int bf16) {
-    float w[MAX_DIM];
-    load_row(w, weight, d, bf16);
-    float inv = 1.0f / sqrtf(dot(x, x, d) / (float)d + (float)eps);
-    for (int64_t i = 0; i < d; i++) {
-        float v = x[i] * inv;
-        if (bf16) v = bf16_to_float(float_to_bf16(v));
-        v = w[i] * v;
-        x[i] = bf16 ? bf16_to_float(float_to_bf16(v)) : v;
-    }
 }
 
 /* Rotary embedding and cache write for t tokens of a fused q|k|v projection.
@@ -90,7 +82,10 @@ int rope_store(const void *qkv, int64_t t, int64_t row_stride, int64_t hq, int64
         const float *c = cos_t + positions[i] * d, *s = sin_t + positions[i] * d;
         load_row(x, (const char *)qkv + (i * row_stride + h * d) * es, d, bf16);
         const void *norm = h < hq ? q_norm : h < hq + hkv ? k_norm : NULL;
-        if (norm != NULL) norm_row(x, norm, d, eps, bf16);
+        if (norm != NULL) {  /* Qwen3's and Gemma's per-head RMSNorm, as rms_norm does it */
+            load_row(y, norm, d, bf16);
+            norm_row(x, y, d, eps, bf16);
+        }
         if (h < hq + hkv) {
             for (int64_t j = 0; j < half; j++) {
                 y[j] = x[j] * c[j] - x[j + half] * s[j];

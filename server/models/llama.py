@@ -79,12 +79,17 @@ class Rotary:
     positions: torch.Tensor  # [T]
     dtype: torch.dtype  # the compute dtype
     _gathered: tuple[torch.Tensor, torch.Tensor] | None = None
+    _identity: Rotary | None = None
 
     def identity(self) -> Rotary:
         """The same tokens rotated by nothing (cos 1, sin 0: exact), for a layer without rotary
-        embedding, so that it takes the same path (layer_ops.rope_store writes its cache)."""
-        ones = self.cos_table.new_ones(1, self.cos_table.shape[1])
-        return Rotary(ones, torch.zeros_like(ones), torch.zeros_like(self.positions), self.dtype)
+        embedding, so that it takes the same path (layer_ops.rope_store writes its cache).
+        Built once a step, shared by every such layer."""
+        if self._identity is None:
+            ones = self.cos_table.new_ones(1, self.cos_table.shape[1])
+            self._identity = Rotary(ones, torch.zeros_like(ones),
+                                    torch.zeros_like(self.positions), self.dtype)
+        return self._identity
 
     def gathered(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) of each token, [T, 1, head_dim] in the compute dtype."""

@@ -136,9 +136,10 @@ async def start_response(state: ServerState, req: ResponsesRequest, place: Admis
     system, conversation = await _conversation(state, req, owner)
     sampling = with_model_defaults(state, req.chat.params, req.chat.left_out)
     req.echo |= {"temperature": sampling.temperature, "top_p": sampling.top_p}  # as it runs
+    base = replace(req.chat, params=sampling, left_out=frozenset())  # defaults applied once
 
     async def start(messages: list[dict[str, Any]]) -> Turn:
-        chat = replace(req.chat, messages=system + messages)
+        chat = replace(base, messages=system + messages)
         return await start_turn(state, chat, owner, place.priority, f"resp_{uuid.uuid4().hex}",
                                 "input", "text.format")
 

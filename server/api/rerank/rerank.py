@@ -148,6 +148,6 @@ class RerankRun:
 
 
 def _p_yes(no: float, yes: float) -> float:
-    """softmax([no, yes])[1], as the model card computes it (log_softmax, then exp)."""
-    top = max(no, yes)
-    return math.exp(yes - top - math.log(math.exp(no - top) + math.exp(yes - top)))
+    """softmax([no, yes])[1] (the model card's log_softmax then exp), without overflow."""
+    gap = yes - no
+    return 1.0 / (1.0 + math.exp(-gap)) if gap >= 0 else math.exp(gap) / (1.0 + math.exp(gap))
