@@ -57,6 +57,8 @@ def hf_config(arch: str, **overrides):
         Gemma3TextConfig,
         GraniteConfig,
         LlamaConfig,
+        Ministral3Config,
+        MinistralConfig,
         MistralConfig,
         Phi3Config,
         Qwen2Config,
@@ -66,7 +68,8 @@ def hf_config(arch: str, **overrides):
 
     cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
            "granite": GraniteConfig, "smollm3": SmolLM3Config, "mistral": MistralConfig,
-           "phi3": Phi3Config, "gemma3": Gemma3TextConfig}[arch]
+           "phi3": Phi3Config, "gemma3": Gemma3TextConfig, "ministral": MinistralConfig,
+           "ministral3": Ministral3Config}[arch]
     kwargs = dict(
         vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -81,6 +84,14 @@ def hf_config(arch: str, **overrides):
         kwargs |= dict(no_rope_layer_interval=2, pad_token_id=0)
     if arch == "mistral":  # its own head_dim (not hidden / heads); no window (v0.3, Small 3)
         kwargs |= dict(head_dim=48, sliding_window=None)
+    if arch == "ministral":  # windowed and full layers as layer_types say
+        kwargs |= dict(sliding_window=24, layer_types=["sliding_attention", "full_attention"],
+                       head_dim=32)
+    if arch == "ministral3":  # YaRN over a short original context, queries scaled past it
+        kwargs |= dict(head_dim=32, pad_token_id=0, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0,
+            "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1,
+            "original_max_position_embeddings": 64})
     if arch == "phi3":  # q/k/v and gate/up stored fused
         kwargs |= dict(pad_token_id=0, sliding_window=None)
     if arch == "gemma3":  # local (windowed, own rope base) and global layers (linear scaling)

@@ -116,7 +116,12 @@ def render(model: str, api: ApiMetrics, stats: dict[str, Any] | None) -> str:
                [(m, stats["kv_blocks_total"])])
         metric("kv_cache_resident_bytes", "gauge", "KV-cache memory written and not handed "
                "back (blocks times block bytes).",
-               [(m, stats["kv_blocks_resident"] * stats["kv_block_bytes"])])
+               [(m, stats["kv_blocks_resident"] * stats["kv_block_bytes"]
+                 + stats["kv_window_blocks_resident"] * stats["kv_window_block_bytes"])])
+        metric("kv_cache_window_blocks_used", "gauge", "Blocks in use in the sliding-window "
+               "layers' own KV pool (0 without one).", [(m, stats["kv_window_blocks_used"])])
+        metric("kv_cache_window_blocks_total", "gauge", "Blocks in the sliding-window layers' "
+               "own KV pool (0 without one).", [(m, stats["kv_window_blocks_total"])])
         metric("kv_cache_blocks_cached_free", "gauge", "Free KV-cache blocks still holding "
                "prefix-cache content (evictable).", [(m, stats["kv_blocks_cached_free"])])
         metric("prefix_cache_queries_total", "counter", "Prompt tokens looked up in the "

@@ -20,37 +20,23 @@ and only the rest of the prompt is computed. Cached blocks of prompt tokens are 
 block they follow for that. A copied position holds the numbers the prompt would compute
 itself: every kernel gives a prompt row the same numbers whatever shares its step or chunk.
 
-The pool is reserved, not resident: a block's memory becomes resident the first time it is
-written. So a free block is taken in this order: one already resident that caches nothing
-(lowest id first); a cached one, least recently freed, once more than `cache_budget` blocks
-sit cached; a block never touched (lowest id first, so the resident part stays packed at the
-low ids); and only when none is left, a cached one anyway. Resident memory then follows the
-peak of running sequences plus the cache budget, not the pool's size. `release_idle` hands back
-what an idle server does not need: the blocks that cache nothing and the cached ones beyond a
-budget; the runner returns their pages to the OS and they count as never touched again.
+The pool's own mechanics (free blocks and the order they are taken in, resident memory) are
+block_pool.py's. A model with sliding-window layers keeps those layers' blocks in a second pool
+(window_blocks.py), which this manager keeps in step: it allocates, registers and frees there
+too, cuts prefix hits to what that pool still holds, and drops there what no query reads.
 """
 
 from __future__ import annotations
 
 import hashlib
-import heapq
 from array import array
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import islice
 
+from server.engine.block_pool import Block, BlockPool
 from server.engine.sequence import Sequence
-
-
-@dataclass(slots=True)
-class Block:
-    block_id: int
-    ref_count: int = 0
-    block_hash: bytes | None = None  # set once the block is full and registered
-    token_ids: tuple[int, ...] = ()  # the tokens behind block_hash, to verify hits
-    is_resident: bool = False  # written since the pool was made or its memory handed back
-    parent: bytes | None = None  # cached and of prompt tokens only: the key of what it follows
+from server.engine.window_blocks import NO_BLOCK, WindowBlocks
 
 
 @dataclass(slots=True)
@@ -60,6 +46,10 @@ class PrefixHit:
     blocks: list[int] = field(default_factory=list)  # cached blocks, reused as they are
     tokens: int = 0  # prompt tokens found: the blocks' and the partial block's
     partial: int | None = None  # a cached block whose first tokens continue the prompt
+    # Sliding-window layers (window_blocks.py): the window pool's cached blocks of the hit's
+    # last window, and the partial block's counterpart there.
+    window_blocks: list[int] = field(default_factory=list)
+    window_partial: int | None = None
 
 
 def chain_hash(parent: bytes | None, token_ids: list[int] | tuple[int, ...], salt: str,
@@ -88,51 +78,36 @@ def holds_generated(seq: Sequence, block_index: int, block_size: int) -> bool:
 PARTIAL_CANDIDATES = 64
 
 
-class BlockManager:
+class BlockManager(BlockPool):
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  cache_budget: int | None = None,
-                 copy_slots: Callable[[int, int, int], None] | None = None):
+                 copy_slots: Callable[[int, int, int], None] | None = None,
+                 window: WindowBlocks | None = None):
         """copy_slots(src, dst, n): copy the keys and values of block src's first n slots into
-        block dst's (None: no partial hits)."""
+        block dst's (None: no partial hits). window: the sliding-window layers' pool, if the
+        model keeps one."""
+        super().__init__(num_blocks, cache_budget)
         self.block_size = block_size
         self.copy_slots = copy_slots
         self.enable_prefix_caching = enable_prefix_caching
-        # Free blocks holding cached content kept before fresh memory is preferred to them.
-        self.cache_budget = num_blocks if cache_budget is None else cache_budget
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        # The free blocks, in three groups (see the module docstring for the order they go):
-        self.free_cached: OrderedDict[int, None] = OrderedDict()  # least recently freed first
-        self.free_resident: list[int] = []  # a heap: resident, caching nothing
-        self.free_fresh: list[int] = list(range(num_blocks))  # a heap: never touched
-        self.cached: dict[bytes, int] = {}  # block hash -> block id
+        self.window = window
         # Cached blocks of prompt tokens by the key of what they follow (the previous block's
         # hash, or root_key), oldest first: where partial hits are looked up.
         self.children: dict[bytes, dict[int, None]] = {}
         self.num_cache_queries = 0  # prompt tokens looked up in the prefix cache
         self.num_cache_hits = 0  # of those, tokens found
 
-    @property
-    def num_free_blocks(self) -> int:
-        return len(self.free_cached) + len(self.free_resident) + len(self.free_fresh)
-
-    @property
-    def num_used_blocks(self) -> int:
-        return len(self.blocks) - self.num_free_blocks
-
-    @property
-    def num_resident_blocks(self) -> int:
-        """Blocks whose memory has been written and not handed back."""
-        return len(self.blocks) - len(self.free_fresh)
-
-    @property
-    def num_cached_free_blocks(self) -> int:
-        """Free blocks still holding cached content (evictable)."""
-        return len(self.free_cached)
-
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """New blocks `seq` needs to hold its first `num_tokens` tokens."""
         total = -(-num_tokens // self.block_size)
         return max(0, total - len(seq.block_table))
+
+    def fits(self, num_tokens: int, chunk: int) -> bool:
+        """Whether one sequence of num_tokens, computing at most `chunk` tokens a step, fits
+        in the pools at all."""
+        w = self.window
+        return -(-num_tokens // self.block_size) <= len(self.blocks) and (
+            w is None or w.most_held(num_tokens, chunk) <= len(w.blocks))
 
     # -- admission: prefix-cache lookup -------------------------------------------------------
 
@@ -140,7 +115,14 @@ class BlockManager:
         """Cached blocks holding a prefix of seq's tokens, then a cached block that continues it
         for part of a block; never seq's last token (whose logits are needed, so it is always
         computed), and a partial hit only over prompt tokens (a generated token's keys and
-        values come from other kernels)."""
+        values come from other kernels). With a window pool, only what that pool serves too."""
+        hit = self._match(seq)
+        if self.window is not None:
+            partial = None if hit.partial is None else self.blocks[hit.partial].block_hash
+            self.window.serve(hit, [self.blocks[b].block_hash for b in hit.blocks], partial)
+        return hit
+
+    def _match(self, seq: Sequence) -> PrefixHit:
         hit = PrefixHit()
         if not self.enable_prefix_caching:
             return hit
@@ -174,9 +156,10 @@ class BlockManager:
     def can_allocate(self, seq: Sequence, num_new_tokens: int, hit: PrefixHit) -> bool:
         """Whether admitting seq with this prefix hit and a first chunk of num_new_tokens fits.
         Hit blocks sitting in the free queue stop being free once taken."""
-        reused_free = sum(1 for b in hit.blocks if self.blocks[b].ref_count == 0)
         total = -(-(hit.tokens + num_new_tokens) // self.block_size)
-        return total - len(hit.blocks) <= self.num_free_blocks - reused_free
+        return total - len(hit.blocks) <= self.num_free_blocks - self.num_reused_free(
+            hit.blocks) and (self.window is None or self.window.can_allocate(
+                hit, hit.tokens + num_new_tokens))
 
     def allocate(self, seq: Sequence, num_new_tokens: int, hit: PrefixHit) -> None:
         """Admit seq: take its prefix hit's blocks, then blocks for its first chunk, the first
@@ -187,17 +170,23 @@ class BlockManager:
         for block_id in hit.blocks:
             self._take(block_id)
         src = hit.partial
-        if src is not None and src in self.free_cached:
-            self.free_cached.move_to_end(src)  # the last cached block evicted for the chunk
+        w = self.window
+        if src is not None:  # the last cached blocks evicted for the chunk
+            for pool, block_id in ((self, src), (w, hit.window_partial)):
+                if pool is not None and block_id in pool.free_cached:
+                    pool.free_cached.move_to_end(block_id)
         seq.block_table = list(hit.blocks)
         seq.num_hashed_blocks = len(hit.blocks)
         seq.last_block_hash = self.blocks[hit.blocks[-1]].block_hash if hit.blocks else None
         seq.num_computed_tokens = hit.tokens
+        if w is not None:
+            w.allocate(seq, hit)
         self.append_slots(seq, num_new_tokens)
         whole = len(hit.blocks) * self.block_size
         if src is not None:
-            if self.blocks[src].block_hash is None:  # evicted for the chunk after all
-                seq.num_computed_tokens = whole
+            if self.blocks[src].block_hash is None or (w is not None
+                                                       and not w.copy_partial(seq, hit)):
+                seq.num_computed_tokens = whole  # evicted for the chunk after all
             else:
                 self.copy_slots(src, seq.block_table[len(hit.blocks)], hit.tokens - whole)
         seq.num_cached_tokens = seq.num_computed_tokens
@@ -208,53 +197,49 @@ class BlockManager:
     # -- growth --------------------------------------------------------------------------------
 
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
-        needed = self.blocks_needed(seq, seq.num_computed_tokens + num_new_tokens)
-        return needed <= self.num_free_blocks
+        total = seq.num_computed_tokens + num_new_tokens
+        return self.blocks_needed(seq, total) <= self.num_free_blocks and (
+            self.window is None
+            or self.window.blocks_needed(seq, total) <= self.window.num_free_blocks)
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
         """Give seq the blocks to compute num_new_tokens more tokens."""
-        for _ in range(self.blocks_needed(seq, seq.num_computed_tokens + num_new_tokens)):
-            block = self.blocks[self._pop_free()]
-            block.ref_count, block.is_resident = 1, True
-            seq.block_table.append(block.block_id)
-
-    def _pop_free(self) -> int:
-        """The free block to write next (the order is the module docstring's)."""
-        if self.free_resident:
-            return heapq.heappop(self.free_resident)
-        if self.free_cached and (len(self.free_cached) > self.cache_budget
-                                 or not self.free_fresh):
-            block_id, _ = self.free_cached.popitem(last=False)
-            self._evict(self.blocks[block_id])
-            return block_id
-        return heapq.heappop(self.free_fresh)
+        total = seq.num_computed_tokens + num_new_tokens
+        for _ in range(self.blocks_needed(seq, total)):
+            seq.block_table.append(self.take_new())
+        if self.window is not None:
+            self.window.append_slots(seq, total)
 
     def _evict(self, block: Block) -> None:
-        if self.cached.get(block.block_hash) == block.block_id:
-            del self.cached[block.block_hash]
         if block.parent is not None:
             siblings = self.children[block.parent]
             del siblings[block.block_id]
             if not siblings:
                 del self.children[block.parent]
-        block.block_hash, block.token_ids, block.parent = None, (), None
+            block.parent = None
+        super()._evict(block)
 
     def cache_full_blocks(self, seq: Sequence) -> None:
-        """Register seq's blocks that are full of computed tokens (call after each step)."""
-        if not self.enable_prefix_caching:
-            return
-        bs = self.block_size
+        """Register seq's blocks that are full of computed tokens, and drop its window
+        blocks that no query reads any more (call after each step)."""
+        if self.enable_prefix_caching:
+            self._register(seq)
+        if self.window is not None:
+            self.window.trim(seq)
+
+    def _register(self, seq: Sequence) -> None:
+        bs, w = self.block_size, self.window
         for i in range(seq.num_hashed_blocks, seq.num_computed_tokens // bs):
             tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
             generated = holds_generated(seq, i, bs)
             block_hash = chain_hash(seq.last_block_hash, tokens, seq.cache_salt, generated)
-            if block_hash not in self.cached:  # an identical block computed elsewhere stays
+            # an identical block computed elsewhere stays
+            if self.register(seq.block_table[i], block_hash, tokens) and not generated:
                 block = self.blocks[seq.block_table[i]]
-                block.block_hash, block.token_ids = block_hash, tokens
-                self.cached[block_hash] = block.block_id
-                if not generated:
-                    block.parent = seq.last_block_hash or root_key(seq.cache_salt)
-                    self.children.setdefault(block.parent, {})[block.block_id] = None
+                block.parent = seq.last_block_hash or root_key(seq.cache_salt)
+                self.children.setdefault(block.parent, {})[block.block_id] = None
+            if w is not None and seq.window_table[i] != NO_BLOCK:
+                w.register(seq.window_table[i], block_hash, ())
             seq.last_block_hash = block_hash
             seq.num_hashed_blocks = i + 1
 
@@ -266,43 +251,11 @@ class BlockManager:
             self._drop(block_id)
         seq.block_table = []
         seq.num_hashed_blocks, seq.last_block_hash = 0, None
-
-    def release_idle(self, keep_cached: int) -> list[int]:
-        """The blocks whose memory an idle server can hand back: every free block that caches
-        nothing and the least recently freed cached ones beyond `keep_cached` (evicted). They
-        count as never touched from now on; the caller returns their pages to the OS."""
-        released = list(self.free_resident)
-        self.free_resident = []
-        while len(self.free_cached) > keep_cached:
-            block_id, _ = self.free_cached.popitem(last=False)
-            self._evict(self.blocks[block_id])
-            released.append(block_id)
-        for block_id in released:
-            self.blocks[block_id].is_resident = False
-            heapq.heappush(self.free_fresh, block_id)
-        return sorted(released)
-
-    def _take(self, block_id: int) -> None:
-        block = self.blocks[block_id]
-        if block.ref_count == 0:
-            del self.free_cached[block_id]  # a hit: only cached blocks are taken by id
-        block.ref_count += 1
-
-    def _drop(self, block_id: int) -> None:
-        block = self.blocks[block_id]
-        block.ref_count -= 1
-        assert block.ref_count >= 0, f"block {block_id} freed twice"
-        if block.ref_count == 0:
-            if block.block_hash is not None:
-                self.free_cached[block_id] = None
-            else:
-                heapq.heappush(self.free_resident, block_id)
+        if self.window is not None:
+            self.window.free(seq)
 
     def reset_prefix_cache(self) -> None:
-        for block_id in self.free_cached:
-            heapq.heappush(self.free_resident, block_id)
-        self.free_cached.clear()
-        for block in self.blocks:
-            block.block_hash, block.token_ids, block.parent = None, (), None
-        self.cached.clear()
+        super().reset_prefix_cache()
         self.children.clear()
+        if self.window is not None:
+            self.window.reset_prefix_cache()

@@ -8,6 +8,7 @@ import contextlib
 import ctypes
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -18,6 +19,7 @@ from server.engine.pacing import MIN_PREFILL_CHUNK, PrefillPacer
 from server.engine.recache import ReplyRecache
 from server.engine.scheduler import Scheduler, SchedulerOutput
 from server.engine.sequence import SamplingParams, Sequence, SequenceStatus
+from server.engine.window_blocks import WindowBlocks
 from server.models.device import pick_kv_dtype
 
 
@@ -105,18 +107,21 @@ class Engine:
         model_len = model.config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or model_len, model_len)
         self.kv_dtype = config.kv_cache_dtype or pick_kv_dtype(device, dtype)
-        self.block_bytes = kv_bytes_per_block(model.config, config.block_size, self.kv_dtype)
-        # By need (every sequence at the full context), within the memory budget.
-        need = config.max_num_seqs * -(-self.max_model_len // config.block_size)
-        budget = config.kv_cache_bytes or default_kv_cache_bytes(device)
-        num_blocks = config.num_blocks or max(1, min(need, budget // self.block_bytes))
+        if hasattr(model, "serve_context"):  # longrope's factors follow it (rope.py)
+            model.serve_context(self.max_model_len)
+        sizes = PoolSizes.plan(model.config, config, self.max_model_len, self.kv_dtype,
+                               config.kv_cache_bytes or default_kv_cache_bytes(device))
+        self.block_bytes, self.window_block_bytes = sizes.block_bytes, sizes.window_block_bytes
         self.config = config
-        self.runner = ModelRunner(model, num_blocks, config.block_size, device, dtype,
-                                  self.kv_dtype)
-        self.block_manager = BlockManager(num_blocks, config.block_size,
-                                          config.enable_prefix_caching,
-                                          config.prefix_cache_bytes // self.block_bytes,
-                                          self.runner.copy_slots)
+        self.runner = ModelRunner(model, sizes.num_blocks, config.block_size, device, dtype,
+                                  self.kv_dtype, sizes.window_blocks)
+        window = None
+        if sizes.window_blocks:
+            window = WindowBlocks(sizes.window_blocks, config.block_size, sizes.window,
+                                  sizes.cache_blocks, partial(self.runner.copy_slots, pool=1))
+        self.block_manager = BlockManager(sizes.num_blocks, config.block_size,
+                                          config.enable_prefix_caching, sizes.cache_blocks,
+                                          self.runner.copy_slots, window)
         self.pacer = PrefillPacer(config.max_itl_stretch, MIN_PREFILL_CHUNK)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.max_model_len,
@@ -142,7 +147,7 @@ class Engine:
                                                          ignore_eos=True), internal=True))
         while self.has_unfinished:
             self.step()
-        self.runner.release_blocks(self.block_manager.release_idle(0))
+        self._release_blocks(0)
         self.pacer.forget()
         self.metrics = Metrics()
 
@@ -200,9 +205,18 @@ class Engine:
     def release_idle(self) -> int:
         """Idle: hand back the KV memory the cache does not keep, and the allocator's free
         memory. Returns the KV bytes given back to the OS."""
-        keep = self.config.idle_cache_bytes // self.block_bytes
-        released = self.runner.release_blocks(self.block_manager.release_idle(keep))
+        keep = self.config.idle_cache_bytes // (self.block_bytes + self.window_block_bytes
+                                                 or 1)
+        released = self._release_blocks(keep)
         release_freed_memory()
+        return released
+
+    def _release_blocks(self, keep_cached: int) -> int:
+        """Hand back every pool's free memory but `keep_cached` cached blocks."""
+        bm = self.block_manager
+        released = self.runner.release_blocks(bm.release_idle(keep_cached))
+        if bm.window is not None:
+            released += self.runner.release_blocks(bm.window.release_idle(keep_cached), 1)
         return released
 
     def stats(self) -> dict[str, Any]:
@@ -216,6 +230,7 @@ class Engine:
             "kv_blocks_resident": bm.num_resident_blocks,
             "kv_blocks_cached_free": bm.num_cached_free_blocks,
             "kv_block_bytes": self.block_bytes,
+            **_window_stats(bm.window, self.window_block_bytes),
             "kv_dtype": str(self.kv_dtype).removeprefix("torch."),
             "prefix_cache_queries": bm.num_cache_queries,
             "prefix_cache_hits": bm.num_cache_hits,
@@ -285,3 +300,57 @@ def default_kv_cache_bytes(device) -> int:
     return max(64 << 20, min(available // 5, 4 << 30))
 
 
+
+
+def _window_stats(window: WindowBlocks | None, block_bytes: int) -> dict[str, int]:
+    """The sliding-window layers' pool, for /metrics (zeros without one)."""
+    if window is None:
+        return dict.fromkeys(("kv_window_blocks_used", "kv_window_blocks_total",
+                              "kv_window_blocks_resident", "kv_window_block_bytes"), 0)
+    return {"kv_window_blocks_used": window.num_used_blocks,
+            "kv_window_blocks_total": len(window.blocks),
+            "kv_window_blocks_resident": window.num_resident_blocks,
+            "kv_window_block_bytes": block_bytes}
+
+
+@dataclass(slots=True)
+class PoolSizes:
+    """How many KV blocks each pool gets: the main one (layers that attend over everything)
+    and, where some layers attend over a window shorter than the context, theirs."""
+
+    num_blocks: int
+    block_bytes: int
+    cache_blocks: int  # cached blocks each pool keeps before fresh memory (prefix_cache_bytes)
+    window: int | None = None
+    window_blocks: int = 0
+    window_block_bytes: int = 0
+
+    @staticmethod
+    def plan(model_config, config: EngineConfig, max_model_len: int, kv_dtype: torch.dtype,
+             budget: int) -> PoolSizes:
+        """By need (every sequence at the full context; the windowed layers' window, their
+        chunks and the prefix cache's share), within the memory budget: the window pool first,
+        up to half of it."""
+        bs = config.block_size
+        n = model_config.num_layers
+        window = model_config.sliding_window
+        windowed = [i for i in range(n) if model_config.layer_window(i) is not None] \
+            if window is not None and window < max_model_len else []
+        full = [i for i in range(n) if i not in windowed]
+        block_bytes = kv_bytes_per_block(model_config, bs, kv_dtype, full)
+        window_bytes = kv_bytes_per_block(model_config, bs, kv_dtype, windowed)
+        cache_blocks = config.prefix_cache_bytes // (block_bytes + window_bytes)
+        need = config.max_num_seqs * -(-max_model_len // bs)
+        if not windowed:
+            num = config.num_blocks or max(1, min(need, budget // block_bytes))
+            return PoolSizes(num, block_bytes, cache_blocks)
+        per_seq = -(-(window - 1) // bs) + 2  # a decoding sequence's window and next block
+        need_w = min(need, config.max_num_seqs * per_seq + cache_blocks
+                     + -(-config.max_num_batched_tokens // bs) + 1)
+        if config.num_blocks:
+            num, num_w = config.num_blocks, min(need_w, config.num_blocks)
+        else:
+            num_w = max(1, min(need_w, budget // (2 if full else 1) // window_bytes))
+            num = need if not full else max(1, min(need, (budget - num_w * window_bytes)
+                                                   // block_bytes))
+        return PoolSizes(num, block_bytes, cache_blocks, window, num_w, window_bytes)

@@ -25,40 +25,59 @@ class StepResult:
     embeddings: list[list[float]] = field(default_factory=list)  # one per pooling sequence
 
 
-def kv_bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
-    """Keys and values of every layer for one block."""
+def kv_bytes_per_block(config, block_size: int, dtype: torch.dtype,
+                       layers: list[int] | None = None) -> int:
+    """Keys and values of every layer (or of these layers) for one block."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * elem
+    n = config.num_layers if layers is None else len(layers)
+    return 2 * n * block_size * config.num_kv_heads * config.head_dim * elem
 
 
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, device, dtype,
-                 kv_dtype: torch.dtype) -> None:
+                 kv_dtype: torch.dtype, window_blocks: int = 0) -> None:
+        """window_blocks: the size of the sliding-window layers' own pool (window_blocks.py);
+        0: every layer keeps its keys and values in the main pool."""
         self.model = model
         self.block_size = block_size
         self.device, self.dtype = device, dtype
-        self.kv_caches = allocate_kv(model, num_blocks * block_size, device, kv_dtype)
-        self.sampler = Sampler(model.config.vocab_size)
+        config = model.config
+        # Per pool (main, window), the layers whose keys and values it holds.
+        windowed = [i for i in range(config.num_layers)
+                    if window_blocks and config.layer_window(i) is not None]
+        self.pool_layers = [[i for i in range(config.num_layers) if i not in windowed],
+                            windowed]
+        self.kv_caches = allocate_kv(model, num_blocks * block_size, device, kv_dtype,
+                                     {i: window_blocks * block_size for i in windowed})
+        self.sampler = Sampler(config.vocab_size)
         self.unpacked = UnpackedWeights(model)  # int4 layers' bf16 copies while prompts run
         # Embedding requests whose prompt spans steps: the fp32 sum of their hidden states so
         # far (mean pooling), by sequence id.
         self.pooled_sums: dict[int, torch.Tensor] = {}
 
-    def release_blocks(self, block_ids: list[int]) -> int:
-        """Hand these blocks' pages back to the OS; returns the bytes given back."""
+    @property
+    def has_window_pool(self) -> bool:
+        return bool(self.pool_layers[1])
+
+    def _caches(self, pool: int) -> list[tuple[torch.Tensor, ...]]:
+        return [self.kv_caches[i] for i in self.pool_layers[pool]]
+
+    def release_blocks(self, block_ids: list[int], pool: int = 0) -> int:
+        """Hand these blocks' pages of a pool (0 main, 1 window) back to the OS; returns the
+        bytes given back."""
         runs: list[tuple[int, int]] = []  # consecutive block ids as slot ranges
         for b in block_ids:
             if runs and runs[-1][1] == b * self.block_size:
                 runs[-1] = (runs[-1][0], (b + 1) * self.block_size)
             else:
                 runs.append((b * self.block_size, (b + 1) * self.block_size))
-        return release_slots(self.kv_caches, runs)
+        return release_slots(self._caches(pool), runs)
 
-    def copy_slots(self, src: int, dst: int, n: int) -> None:
-        """Block src's first n slots' keys and values into block dst's, every layer (a prompt
-        that shares part of a cached block: block_manager.py)."""
+    def copy_slots(self, src: int, dst: int, n: int, pool: int = 0) -> None:
+        """Block src's first n slots' keys and values into block dst's, every layer of the
+        pool (a prompt that shares part of a cached block: block_manager.py)."""
         s, d = src * self.block_size, dst * self.block_size
-        for layer in self.kv_caches:
+        for layer in self._caches(pool):
             for t in layer:  # [num_kv_heads, slots, head_dim]
                 t[:, d:d + n] = t[:, s:s + n]
 
@@ -91,10 +110,15 @@ class ModelRunner:
                 scored += [(first + p - start, seq, seq.token_ids[p + 1])
                            for p in range(start, start + num_prompt)
                            if done <= p + 1 < seq.num_prompt_tokens]
+        attention = build_metadata(num_new, seq_lens, [s.block_table for s in seqs],
+                                   self.block_size, self.device, self.dtype, prompt_lens)
+        if self.has_window_pool:
+            attention.windowed = build_metadata(num_new, seq_lens, [s.window_table for s in seqs],
+                                                self.block_size, self.device, self.dtype,
+                                                prompt_lens)
         batch = ForwardBatch(
             input_ids=torch.tensor(input_ids, device=self.device),
-            attention=build_metadata(num_new, seq_lens, [s.block_table for s in seqs],
-                                     self.block_size, self.device, self.dtype, prompt_lens),
+            attention=attention,
             rows=split_rows(prompt_rows, len(input_ids), self.device, self.unpacked,
                             prompts_continue))
         # Logits only for the last token of each sequence that samples this step. In a step

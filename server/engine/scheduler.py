@@ -122,7 +122,7 @@ class Scheduler:
                 "or completion."
             )
         bm = self.block_manager
-        if -(-need // bm.block_size) > len(bm.blocks):
+        if not bm.fits(need, self.max_num_batched_tokens):
             raise RequestTooLargeError(
                 f"The request needs {need} tokens of KV cache but the whole pool holds "
                 f"{len(bm.blocks) * bm.block_size}."

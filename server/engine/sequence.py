@@ -109,6 +109,10 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_hashed_blocks: int = 0  # leading blocks already registered in the prefix cache
     last_block_hash: bytes | None = None  # hash of block num_hashed_blocks - 1 (chain parent)
+    # Its blocks in the sliding-window layers' pool (window_blocks.py), NO_BLOCK where no
+    # query reads them any more: the first window_dropped ones.
+    window_table: list[int] = field(default_factory=list)
+    window_dropped: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     arrival: int = 0  # admission order, set by the scheduler; the newest is preempted first
     num_preemptions: int = 0

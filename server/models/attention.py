@@ -102,6 +102,13 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] cache slot each new token's k/v is written to
     groups: list[AttentionGroup]
     num_tokens: int
+    # The same step in the sliding-window layers' own pool (window_blocks.py), where the
+    # engine keeps one: its slots, its groups.
+    windowed: AttentionMetadata | None = None
+
+    def pool(self, window: int | None) -> AttentionMetadata:
+        """The metadata of the pool a layer with this window keeps its keys and values in."""
+        return self.windowed if window is not None and self.windowed is not None else self
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -171,10 +178,12 @@ def build_metadata(
 
 def _slots(table: torch.Tensor, ctx: torch.Tensor, seq_len: torch.Tensor,
            block_size: int) -> torch.Tensor:
-    """Cache slot of each context position; positions at or past seq_len read the zero slot."""
+    """Cache slot of each context position; positions at or past seq_len, or in a block the
+    table no longer holds (a window pool's NO_BLOCK, -1), read the zero slot."""
     block_col = (ctx // block_size).clamp(max=table.shape[-1] - 1)
-    slots = table[..., block_col] * block_size + ctx % block_size
-    return torch.where(ctx < seq_len, slots, NULL_SLOT)
+    blocks = table[..., block_col]
+    slots = blocks * block_size + ctx % block_size
+    return torch.where((ctx < seq_len) & (blocks >= 0), slots, NULL_SLOT)
 
 
 def _decode_group(entries: list[tuple[int, int, int]], tables: torch.Tensor, block_size: int,

@@ -9,7 +9,8 @@ from typing import Any
 # per-head RMSNorm on q and k; Granite scales the embeddings, the attention, the residual
 # branches and the logits by its config's multipliers; SmolLM3 leaves rotary out of some layers
 # (`no_rope_layers`); Mistral is Llama with a sliding window; Phi-3 stores its projections
-# fused; Gemma 3 (below). The rest of what differs is read from the config (from_hf).
+# fused, Phi-4-mini rotates part of each head (partial rotary) with longrope; Gemma 3 (below).
+# The rest of what differs is read from the config (from_hf).
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": {"qkv_bias": False, "qk_norm": False},
     "Qwen2ForCausalLM": {"qkv_bias": True, "qk_norm": False},
@@ -17,6 +18,10 @@ SUPPORTED_ARCHITECTURES = {
     "GraniteForCausalLM": {"qkv_bias": False, "qk_norm": False},
     "SmolLM3ForCausalLM": {"qkv_bias": False, "qk_norm": False},
     "MistralForCausalLM": {"qkv_bias": False, "qk_norm": False},
+    # Ministral 8B: windowed layers as layer_types say; Ministral 3 (and Mistral Small 3.x's
+    # text model): YaRN rope and a query scale that grows with the position
+    "MinistralForCausalLM": {"qkv_bias": False, "qk_norm": False},
+    "Ministral3ForCausalLM": {"qkv_bias": False, "qk_norm": False},
     # Phi-3: q/k/v and gate/up stored fused (qkv_proj, gate_up_proj), as the model holds them
     "Phi3ForCausalLM": {"qkv_bias": False, "qk_norm": False, "fused": True},
     # Gemma 3's text models: (1 + w) RMSNorms, q/k norm, a norm before and after each block,
@@ -71,6 +76,12 @@ class ModelConfig:
     sandwich_norms: bool = False  # Gemma: a norm after attention and after the MLP too
     activation: str = "silu"  # the gated MLP's: silu, or gelu_pytorch_tanh (GeGLU)
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+    # Partial rotary (Phi-4-mini): the first rotary_dim dims of each head rotate, the rest pass
+    # through; None: all of them.
+    rotary_dim: int | None = None
+    # Ministral 3: queries times 1 + beta * log(1 + floor(position / period)), after rotary
+    # (transformers' llama_4_scaling_beta); None: unscaled.
+    query_position_scale: tuple[float, int] | None = None
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
@@ -84,13 +95,15 @@ class ModelConfig:
                 f"unsupported architecture {name!r} (supported: {supported})"
             )
         flags = SUPPORTED_ARCHITECTURES[arch]
-        rope_theta, rope_scaling, local_theta = _rope(hf)
+        rope_theta, rope_scaling, local_theta, partial = _rope(hf)
+        beta = (rope_scaling or {}).pop("llama_4_scaling_beta", None)
         window = _sliding_window(hf)
         num_heads = hf["num_attention_heads"]
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         qkv_bias = flags["qkv_bias"] or bool(hf.get("attention_bias", False))
         head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
+        rotary_dim = _rotary_dim(partial, head_dim)
         return cls(
             architecture=arch,
             vocab_size=hf["vocab_size"],
@@ -115,6 +128,9 @@ class ModelConfig:
             sliding_window=window,
             window_layers=_window_layers(hf) if window else (),
             local_rope_theta=local_theta,
+            rotary_dim=rotary_dim,
+            query_position_scale=None if beta is None else (
+                float(beta), int(rope_scaling["original_max_position_embeddings"])),
             **(_granite(hf) if arch == "GraniteForCausalLM" else {}),
             **(_gemma(hf, head_dim) if arch == "Gemma3ForCausalLM" else {}),
         )
@@ -151,8 +167,9 @@ class ModelConfig:
         return asdict(self)
 
 
-def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None, float | None]:
-    """(rope base, scaling settings or None, windowed layers' own base or None).
+def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None, float | None, float]:
+    """(rope base, scaling settings or None, windowed layers' own base or None, the part of
+    each head that rotates).
     transformers 5 nests rope settings in rope_parameters (Gemma 3: one per layer type); 4.x
     used rope_theta / rope_scaling (Gemma 3's local base: rope_local_base_freq)."""
     rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
@@ -162,14 +179,31 @@ def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None, float | Non
         rope = dict(rope["full_attention"])
     rope_theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "llama3", "linear"):
+    if rope_type not in ("default", "llama3", "linear", "yarn", "longrope"):
         raise UnsupportedModelError(f"unsupported rope scaling {rope_type!r}")
-    partial = rope.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
-        raise UnsupportedModelError(f"partial rotary embedding (partial_rotary_factor "
-                                    f"{partial}) is not supported")
-    scaling = rope | {"rope_type": rope_type} if rope_type != "default" else None
-    return rope_theta, scaling, None if local_theta is None else float(local_theta)
+    if rope_type in ("yarn", "longrope"):
+        rope.setdefault("original_max_position_embeddings",
+                        hf.get("original_max_position_embeddings"))
+        if rope["original_max_position_embeddings"] is None:
+            raise UnsupportedModelError(f"{rope_type} rope scaling without "
+                                        "original_max_position_embeddings")
+    rope.pop("type", None)
+    partial = float(rope.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
+    scaling = rope | {"rope_type": rope_type}
+    if rope_type == "default" and "llama_4_scaling_beta" not in rope:
+        scaling = None
+    return rope_theta, scaling, None if local_theta is None else float(local_theta), partial
+
+
+def _rotary_dim(factor: float, head_dim: int) -> int | None:
+    """The dims of each head that rotate (partial_rotary_factor), None where all do."""
+    if factor == 1.0:
+        return None
+    dim = int(head_dim * factor)
+    if dim <= 0 or dim % 2 or (head_dim - dim) % 2:
+        raise UnsupportedModelError(f"partial rotary embedding over {dim} of {head_dim} dims "
+                                    "is not supported (both parts must be even)")
+    return dim
 
 
 def _gemma(hf: dict[str, Any], head_dim: int) -> dict[str, Any]:

@@ -120,37 +120,38 @@ class DecodePlan:
         meta, rows = batch.attention, batch.rows
         if (rows is not None and rows.prompt is not None) or batch.outputs is not None:
             return False
-        if len(meta.groups) != 1 or not meta.groups[0].whole_step:
+        pools = [meta] if meta.windowed is None else [meta, meta.windowed]
+        if any(len(m.groups) != 1 or not m.groups[0].whole_step for m in pools):
             return False
-        g = meta.groups[0]
-        if g.first_tile >= 0 or g.lens is None or x.device.type != "cpu":
+        if any(m.groups[0].first_tile >= 0 or m.groups[0].lens is None for m in pools):
             return False
-        if x.dtype not in (torch.float32, torch.bfloat16):
+        if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
             return False
-        k, v = kv_caches[0]
-        index = (meta.positions, meta.slot_mapping, g.context_slots, g.lens)
-        return (k.dtype == v.dtype and k.dtype in (torch.float32, torch.bfloat16)
-                and k.is_contiguous() and v.is_contiguous() and x.is_contiguous()
-                and self.layers[0].norm1.dtype == x.dtype
+        index = [i for m in pools for i in (m.positions, m.slot_mapping,
+                                            m.groups[0].context_slots, m.groups[0].lens)]
+        dtype = kv_caches[0][0].dtype
+        return (dtype in (torch.float32, torch.bfloat16)
+                and all(t.dtype == dtype and t.is_contiguous() for kv in kv_caches for t in kv)
+                and x.is_contiguous() and self.layers[0].norm1.dtype == x.dtype
                 and all(i.dtype == torch.int64 and i.is_contiguous() for i in index))
 
-    def _inputs(self, rope, local, g) -> tuple[list, dict, dict]:
-        """The rope tables of each layer kind, by (uses rope, local tables), and the decode
-        group as each window sees it, as pointers; with the objects that hold them."""
+    def _inputs(self, rope, local, meta) -> tuple[list, dict, dict]:
+        """The rope tables of each layer kind, by (uses rope, local tables), and by window,
+        the pool's new slots and its decode group as the window sees it, as pointers; with
+        the objects that hold them."""
         identity = rope.identity() if not all(la.uses_rope for la in self.layers) else rope
         ropes = {(True, False): rope, (False, False): identity, (True, True): local or rope}
         tables = {key: tuple(r.data_ptr() for r in (ro.cos_table, ro.sin_table, ro.positions))
                   for key, ro in ropes.items()}
-        views = {la.window: g.within(la.window) for la in self.layers}
-        contexts = {w: (v.context_slots.data_ptr(), v.lens.data_ptr(), v.context_slots.shape[1])
-                    for w, v in views.items()}
+        views = {la.window: meta.pool(la.window).groups[0].within(la.window)
+                 for la in self.layers}
+        contexts = {w: (meta.pool(w).slot_mapping.data_ptr(), v.context_slots.data_ptr(),
+                        v.lens.data_ptr(), v.context_slots.shape[1]) for w, v in views.items()}
         return [ropes, views], tables, contexts
 
     def run(self, x: torch.Tensor, rope, kv_caches, batch, local=None) -> torch.Tensor:
         """x [T, hidden] (the embeddings, updated in place) -> the last layer's output.
         `local`: windowed layers' own rope (Gemma 3), where the model has it."""
-        meta = batch.attention
-        g = meta.groups[0]
         t, h, dt = x.shape[0], self.hidden, x.dtype
         bf16 = int(dt == torch.bfloat16)
         cache_bf16 = int(kv_caches[0][0].dtype == torch.bfloat16)
@@ -170,9 +171,8 @@ class DecodePlan:
             width = max(h, nq + 2 * nkv, 2 * self.inter)
             xb, yb = (torch.empty(t * width, dtype=torch.bfloat16) for _ in range(2))
         xp, np_, qkvp, qp, ap, xs = (a.data_ptr() for a in (x, normed, qkv, q, att, xsum))
-        kept, tables, contexts = self._inputs(rope, local, g)  # `kept` holds what they point at
-        slots = meta.slot_mapping.data_ptr()
-        num_slots = kv_caches[0][0].shape[1]
+        # `kept` holds what the pointers point at
+        kept, tables, contexts = self._inputs(rope, local, batch.attention)
 
         def mm(m: Packed, xin: torch.Tensor, yout: torch.Tensor, n: int, k: int) -> int:
             """The call the layer's module makes for these rows (int4.py, int8.py)."""
@@ -198,7 +198,8 @@ class DecodePlan:
 
         failed = 0
         for la, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            kc, vc = k_cache.data_ptr(), v_cache.data_ptr()
+            kc, vc, num_slots = k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1]
+            slots, ctx, lens, max_ctx = contexts[la.window]
             failed |= ops.rms_norm(xp, la.norm1.data_ptr(), np_, t, h, self.eps, bf16)
             failed |= mm(la.qkv, normed, qkv, nq + 2 * nkv, h)
             cos, sin, pos = tables[la.uses_rope, la.local_rope]
@@ -206,7 +207,8 @@ class DecodePlan:
             failed |= ops.rope_store(qkvp, t, nq + 2 * nkv, self.hq, self.hkv, self.d, cos, sin,
                                      pos, slots, qp, kc, vc, num_slots, bf16, cache_bf16, qn, kn,
                                      self.eps)
-            ctx, lens, max_ctx = contexts[la.window]
+            if rope.query_scale is not None:  # as the module scales it (Ministral 3)
+                q.mul_(rope.query_scale)
             failed |= ops.paged_decode(qp, kc, vc, ctx, lens, ap, t, self.hq, self.hkv, self.d,
                                        max_ctx, num_slots, self.scale, bf16, cache_bf16)
             failed |= mm(la.o, att, proj, h, nq)

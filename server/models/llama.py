@@ -11,7 +11,6 @@ slots (see attention.py) and returns hidden states; logits are computed only whe
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +19,7 @@ from torch.nn import functional as F
 
 import server.kernels.cpu_gemm as cpu_gemm
 import server.kernels.layer_ops as layer_ops
+from server.models import rope as rope_math
 from server.models.attention import paged_attention
 from server.models.batch import ForwardBatch
 from server.models.config import ModelConfig
@@ -45,29 +45,6 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-def rope_inverse_frequencies(config: ModelConfig, local: bool = False) -> torch.Tensor:
-    """[head_dim // 2] inverse frequencies, with linear or Llama-3 style scaling when
-    configured; `local`: windowed layers' own base, unscaled (Gemma 3)."""
-    d = config.head_dim
-    theta = config.local_rope_theta if local else config.rope_theta
-    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
-    scaling = None if local else config.rope_scaling
-    if not scaling:
-        return inv_freq
-    factor = scaling["factor"]
-    if scaling["rope_type"] == "linear":
-        return inv_freq / factor
-    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
-    old_len = scaling["original_max_position_embeddings"]
-    low_wavelen, high_wavelen = old_len / low, old_len / high
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
-
-
 @dataclass(slots=True)
 class Rotary:
     """A step's rotary embedding: the model's fp32 cos/sin tables [max_pos, head_dim] and each
@@ -78,6 +55,7 @@ class Rotary:
     sin_table: torch.Tensor
     positions: torch.Tensor  # [T]
     dtype: torch.dtype  # the compute dtype
+    query_scale: torch.Tensor | None = None  # [T, 1, 1] (Ministral 3: rope.query_scale)
     _gathered: tuple[torch.Tensor, torch.Tensor] | None = None
     _identity: Rotary | None = None
 
@@ -144,7 +122,7 @@ class Attention(nn.Module):
         v_cache: torch.Tensor,  # [Hkv, num_slots, head_dim]
         batch: ForwardBatch,
     ) -> torch.Tensor:
-        rows, meta = batch.rows, batch.attention
+        rows, meta = batch.rows, batch.attention.pool(self.window)
         rope = rope if self.uses_rope else rope.identity()
         if self.qkv_proj is not None:
             qkv = self.qkv_proj(x, rows)
@@ -161,6 +139,8 @@ class Attention(nn.Module):
         else:
             q = self._rope_store(self.q_proj(x, rows), self.k_proj(x, rows),
                                  self.v_proj(x, rows), rope, k_cache, v_cache, meta.slot_mapping)
+        if rope.query_scale is not None:
+            q = q * rope.query_scale
         return self.o_proj(paged_attention(q, k_cache, v_cache, meta, self.scale, self.window),
                            rows)
 
@@ -270,6 +250,7 @@ class LlamaForCausalLM(nn.Module):
         # fp32 cos/sin tables, built on the first forward's device. Plain attributes, not buffers:
         # casting the model to bf16 must not round them.
         self._rope: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}  # by `local`
+        self.rope_context = config.max_position_embeddings  # serve_context
         self._local_rope = any(layer.self_attn.local_rope for layer in self.model.layers)
         self._plan: tuple[tuple, DecodePlan | None] | None = None  # (libraries, plan)
 
@@ -278,11 +259,15 @@ class LlamaForCausalLM(nn.Module):
         """fp32 (cos, sin) [max_pos, head_dim]: the model's, or windowed layers' own (local)."""
         tables = self._rope.get(local)
         if tables is None or tables[0].device != device:
-            positions = torch.arange(self.config.max_position_embeddings, dtype=torch.float32)
-            freqs = torch.outer(positions, rope_inverse_frequencies(self.config, local))
-            emb = torch.cat((freqs, freqs), dim=-1).to(device)  # [max_pos, D]
-            tables = self._rope[local] = (emb.cos(), emb.sin())
+            cos, sin = rope_math.tables(self.config, local, self.rope_context)
+            tables = self._rope[local] = (cos.to(device), sin.to(device))
         return tables
+
+    def serve_context(self, context: int) -> None:
+        """The context the engine serves: longrope's factors are chosen by it (rope.py)."""
+        if context != self.rope_context:
+            self.rope_context = context
+            self._rope.clear()
 
     def prepare_weights(self) -> None:
         """Once loaded, in the compute dtype: Gemma's RMSNorms scale by (1 + w): the offset
@@ -302,17 +287,18 @@ class LlamaForCausalLM(nn.Module):
         if self.config.embedding_multiplier != 1.0:
             x = x * self.config.embedding_multiplier
         positions = batch.attention.positions
-        rope = Rotary(*self._rope_tables(x.device), positions, x.dtype)
-        local = Rotary(*self._rope_tables(x.device, True), positions, x.dtype) \
-            if self._local_rope else rope
+        scale = rope_math.query_scale(self.config, positions, x.dtype)
+        rotary = Rotary(*self._rope_tables(x.device), positions, x.dtype, scale)
+        local = Rotary(*self._rope_tables(x.device, True), positions, x.dtype, scale) \
+            if self._local_rope else rotary
         plan = self._decode_plan() if x.device.type == "cpu" else None
         if plan is not None and plan.takes(x, batch, kv_caches):
-            return self.model.norm(plan.run(x, rope, kv_caches, batch, local))
+            return self.model.norm(plan.run(x, rotary, kv_caches, batch, local))
         last = len(self.model.layers) - 1
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.model.layers, kv_caches,
                                                             strict=True)):
-            x = layer(x, local if layer.self_attn.local_rope else rope, k_cache, v_cache, batch,
-                      i == last)
+            x = layer(x, local if layer.self_attn.local_rope else rotary, k_cache, v_cache,
+                      batch, i == last)
         return self.model.norm(x)
 
     def _decode_plan(self) -> DecodePlan | None:

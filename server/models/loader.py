@@ -13,6 +13,7 @@ import server.kernels.layer_ops as layer_ops
 from server.models import model_class
 from server.models.config import ModelConfig
 from server.models.linear import Linear
+from server.models.rope import arrange_rows
 from server.quant import apply_quantization, prepare_quantized
 from server.quant.int4 import Int4Linear
 from server.quant.int8 import Int8Embedding
@@ -45,6 +46,7 @@ def build_model(
     if tied:
         state = {k: v for k, v in state.items() if not k.startswith("lm_head.")}
         del model.lm_head  # re-created below from the embedding
+    state = arrange_rows(config, state)  # partial rotary's order of the q/k dims (rope.py)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     if missing or unexpected:
         raise ValueError(f"weights do not match the config: missing {missing[:3]}, "

@@ -18,17 +18,19 @@ from server.models.batch import ForwardBatch
 MADV_DONTNEED = 4  # Linux
 
 
-def allocate_kv(model: nn.Module, num_slots: int, device, dtype) -> list[tuple[torch.Tensor, ...]]:
-    """Per layer, (keys, values) of shape [num_kv_heads, num_slots + 1, head_dim]: flat slots.
+def allocate_kv(model: nn.Module, num_slots: int, device, dtype,
+                own_slots: dict[int, int] | None = None) -> list[tuple[torch.Tensor, ...]]:
+    """Per layer, (keys, values) of shape [num_kv_heads, num_slots + 1, head_dim]: flat slots
+    (`own_slots`: layers with a pool of another size, by index: the sliding-window layers').
 
     The extra last slot is NULL_SLOT, zeros, never written: padded context reads point there,
     so no other slot is ever read before it is written and the pool can stay uninitialized.
     Left untouched, its pages are not resident on CPU: memory grows with use, not at start.
     """
     c = model.config
-    shape = (c.num_kv_heads, num_slots + 1, c.head_dim)
     caches = []
-    for _ in range(c.num_layers):
+    for i in range(c.num_layers):
+        shape = (c.num_kv_heads, (own_slots or {}).get(i, num_slots) + 1, c.head_dim)
         k = torch.empty(shape, device=device, dtype=dtype)
         v = torch.empty(shape, device=device, dtype=dtype)
         k[:, NULL_SLOT].zero_()
@@ -41,7 +43,7 @@ def release_slots(caches: list[tuple[torch.Tensor, ...]], ranges: list[tuple[int
     """Give the OS back the whole pages inside these [start, end) slot ranges of every layer
     (madvise MADV_DONTNEED: they read as zeros when next touched, so only slots that hold
     nothing anyone reads may be passed). CPU only; returns the bytes given back."""
-    if not ranges or caches[0][0].device.type != "cpu" or not hasattr(os, "sysconf"):
+    if not ranges or not caches or caches[0][0].device.type != "cpu" or not hasattr(os, "sysconf"):
         return 0
     try:
         madvise = ctypes.CDLL(None, use_errno=True).madvise

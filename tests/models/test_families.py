@@ -27,6 +27,15 @@ FAMILIES = [("llama", "llama", {}), ("qwen2", "qwen2", {}), ("qwen3", "qwen3", {
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
             ("granite", "granite", {}), ("smollm3", "smollm3", {}), ("mistral", "mistral", {}),
             ("phi3", "phi3", {}),
+            # Phi-4-mini: a quarter of each head passed through, longrope over a short original
+            # context (short factors up to it, long ones beyond: LONGROPE below)
+            ("phi4-mini", "phi3", {"partial_rotary_factor": 0.75, "rope_scaling": {
+                "rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(12)],
+                "long_factor": [1.0 + 0.5 * i for i in range(12)]},
+                "original_max_position_embeddings": 64}),
+            ("ministral", "ministral", {}), ("ministral3", "ministral3", {}),
+            ("qwen3-yarn", "qwen3", {"rope_scaling": {
+                "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}}),
             # a window far shorter than the prompts (Mistral 7B v0.1: 4,096; Phi-3-mini-4k: 2,047)
             ("mistral-window", "mistral", {"sliding_window": 24}),
             ("phi3-window", "phi3", {"sliding_window": 40}),
@@ -62,20 +71,33 @@ def loaded(home, monkeypatch, name: str):
     return load_model(ModelStore().resolve(name), CPU, torch.float32).model
 
 
+def served(hf, n: int) -> tuple[int, int | None]:
+    """(greedy tokens to take after an n-token prompt, the context to serve it at): longrope
+    picks its factors by the served context (rope.py), transformers by the sequence's length,
+    so a sequence that stays within the original context is served at that context."""
+    rope = hf.config.rope_parameters or {}
+    original = rope.get("original_max_position_embeddings")
+    if rope.get("rope_type") != "longrope" or n > original:
+        return 32, None
+    return min(32, original - n), original
+
+
 def test_pulled_logits_match_transformers_whole_and_chunked(family, monkeypatch):
     hf, home, alias = family
     ours = loaded(home, monkeypatch, f"{alias}:bf16")
     for n in LENGTHS:
         ids = prompt(n, n)
+        ours.serve_context(served(hf, n)[1] or ours.config.max_position_embeddings)
         with torch.no_grad():
             ref = hf(torch.tensor([ids])).logits[0]
         torch.testing.assert_close(prompt_logits(ours, ids), ref, atol=1e-3, rtol=0)
         torch.testing.assert_close(prompt_logits(ours, ids, chunk=16), ref, atol=1e-3, rtol=0)
 
 
-def run(model, seqs) -> None:
+def run(model, seqs, context: int | None = None) -> None:
     engine = Engine(model, EngineConfig(num_blocks=128, kv_cache_dtype=torch.float32,
-                                        max_num_batched_tokens=64), CPU, torch.float32)
+                                        max_num_batched_tokens=64, max_model_len=context),
+                    CPU, torch.float32)
     for s in seqs:
         engine.add(s)
     while engine.has_unfinished:
@@ -84,21 +106,26 @@ def run(model, seqs) -> None:
 
 def test_greedy_tokens_equal_transformers_alone_batched_and_cached(family, monkeypatch):
     """32 greedy tokens a prompt: each alone, all three in one engine (prompts chunked by a
-    64-token budget, decodes batched), and again after a shared prefix is cached."""
+    64-token budget, decodes batched; with longrope, those served at one context), and again
+    after a shared prefix is cached."""
     hf, home, alias = family
     ours = loaded(home, monkeypatch, f"{alias}:bf16")
     prompts = [prompt(n, n) for n in LENGTHS]
-    want = [hf.generate(torch.tensor([p]), max_new_tokens=32, do_sample=False,
-                        eos_token_id=None, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    plans = [served(hf, n) for n in LENGTHS]
+    want = [hf.generate(torch.tensor([p]), max_new_tokens=k, do_sample=False,
+                        eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+            for p, (k, _) in zip(prompts, plans, strict=True)]
 
-    def seq(p):
-        return Sequence(p, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
+    def seq(p, k=32):
+        return Sequence(p, SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True))
 
-    alone = [seq(p) for p in prompts]
-    for s in alone:
-        run(ours, [s])
-    batched = [seq(p) for p in prompts]
-    run(ours, batched)
+    alone = [seq(p, k) for p, (k, _) in zip(prompts, plans, strict=True)]
+    for s, (_, context) in zip(alone, plans, strict=True):
+        run(ours, [s], context)
+    batched = [seq(p, k) for p, (k, _) in zip(prompts, plans, strict=True)]
+    for context in {c for _, c in plans}:
+        run(ours, [s for s, (_, c) in zip(batched, plans, strict=True) if c == context],
+            context)
     assert [s.output_token_ids for s in alone] == [s.output_token_ids for s in batched] == want
 
     engine = Engine(ours, EngineConfig(num_blocks=128, kv_cache_dtype=torch.float32), CPU,
@@ -146,9 +173,11 @@ def test_which_layers_are_windowed_is_read_from_each_config():
 
 
 @pytest.mark.parametrize(("change", "said"), [
-    ({"partial_rotary_factor": 0.75}, "partial rotary embedding"),
+    ({"partial_rotary_factor": 0.25, "head_dim": 12}, "partial rotary embedding over 3 of 12"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
+     "unsupported rope scaling 'dynamic'"),
     ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}},
-     "unsupported rope scaling 'longrope'"),
+     "longrope rope scaling without original_max_position_embeddings"),
     ({"architectures": ["Gemma2ForCausalLM"]}, "unsupported architecture 'Gemma2ForCausalLM'"),
 ])
 def test_what_is_not_implemented_yet_is_refused_by_name(change, said):
