@@ -17,15 +17,14 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # imported where tensors are read: CLI commands start fast
     import torch
 
-MODEL_TYPE_TO_ARCHITECTURE = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
-# Architectures transformers does not read from GGUF: llama.cpp writes them in the Llama layout
-# (its tensor names, q/k permuted) with keys of their own (_own_config).
-OWN_ARCHITECTURES = {"granite": "GraniteForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
-PERMUTED_QK = ("llama", *OWN_ARCHITECTURES)
+MODEL_TYPE_TO_ARCHITECTURE = {"llama": "LlamaForCausalLM"}
+# Architectures read here from llama.cpp's own keys (_own_config): transformers' GGUF reader
+# knows none of them, or leaves out what they need (Qwen3's head_dim, Gemma 3's layer kinds).
+OWN_ARCHITECTURES = {"granite": "GraniteForCausalLM", "smollm3": "SmolLM3ForCausalLM",
+                     "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                     "phi3": "Phi3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+# llama.cpp's converter permutes the q/k rows of the Llama layout only
+PERMUTED_QK = ("llama", "granite", "smollm3")
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -33,6 +32,7 @@ _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
+    "attn_qkv": "self_attn.qkv_proj",
     "attn_output": "self_attn.o_proj",
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
@@ -40,11 +40,20 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Where a family names a layer's tensors otherwise: Phi-3's ffn_up holds gate and up fused;
+# Gemma 3's four norms (ffn_norm is the one before its MLP).
+_FAMILY_NAMES = {
+    "phi3": {"ffn_up": "mlp.gate_up_proj"},
+    "gemma3": {"ffn_norm": "pre_feedforward_layernorm",
+               "post_attention_norm": "post_attention_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm"},
+}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # Phi-3's longrope
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -52,14 +61,15 @@ class GGUFError(ValueError):
     pass
 
 
-def hf_name(gguf_name: str) -> str:
+def hf_name(gguf_name: str, model_type: str = "llama") -> str:
     """GGUF tensor name -> Hugging Face name."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     m = _LAYER_RE.fullmatch(gguf_name)
-    if not m or m.group(2) not in _LAYER_NAMES:
+    names = _LAYER_NAMES | _FAMILY_NAMES.get(model_type, {})
+    if not m or m.group(2) not in names:
         raise GGUFError(f"unknown GGUF tensor {gguf_name!r}")
-    return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
 
 
 def unpermute(w: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -76,6 +86,10 @@ def read_config(path: Path) -> dict[str, Any]:
     architecture = _architecture(path)
     if architecture in OWN_ARCHITECTURES:
         return _own_config(path, architecture)
+    if architecture not in MODEL_TYPE_TO_ARCHITECTURE:
+        known = ", ".join([*MODEL_TYPE_TO_ARCHITECTURE, *OWN_ARCHITECTURES])
+        raise GGUFError(f"{path.name}: unsupported GGUF architecture {architecture!r} "
+                        f"(supported: {known})")
     try:
         config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name).to_dict()
     except ValueError as e:
@@ -108,12 +122,15 @@ def _own_config(path: Path, arch: str) -> dict[str, Any]:
     keys = ("block_count", "context_length", "embedding_length", "feed_forward_length",
             "attention.head_count", "attention.head_count_kv", "attention.key_length",
             "attention.layer_norm_rms_epsilon", "rope.freq_base", "vocab_size",
-            "attention.scale", "embedding_scale", "residual_scale", "logit_scale")
+            "attention.scale", "embedding_scale", "residual_scale", "logit_scale",
+            "attention.sliding_window", "final_logit_softcapping", "rope.dimension_count",
+            "rope.scaling.type", "rope.scaling.factor", "rope.scaling.original_context_length")
     f = _fields(path, (*(f"{arch}.{k}" for k in keys), "tokenizer.ggml.bos_token_id",
                        "tokenizer.ggml.eos_token_id"))
     get = {k: f.get(f"{arch}.{k}") for k in keys}
     heads, hidden, layers = (get["attention.head_count"], get["embedding_length"],
                              get["block_count"])
+    get["vocab_size"] = get["vocab_size"] or _rows(path, "token_embd.weight")
     if not heads or not hidden or not layers or not get["vocab_size"]:
         raise GGUFError(f"{path.name}: the {arch} metadata lacks its shapes")
     config = {
@@ -136,7 +153,53 @@ def _own_config(path: Path, arch: str) -> dict[str, Any]:
                    "logits_scaling": get["logit_scale"]}
     if arch == "smollm3":
         config["no_rope_layers"] = [int((i + 1) % 4 != 0) for i in range(layers)]
+    if arch == "phi3":
+        config |= _phi3(path, get, config["head_dim"])
+    if arch == "gemma3":
+        config |= _gemma3(get, layers, hidden, heads, config["head_dim"])
     return {k: v for k, v in config.items() if v is not None}
+
+
+def _rows(path: Path, name: str) -> int | None:
+    """The first dimension (HF's) of a tensor of the file."""
+    t = next((t for t in open_reader(path).tensors if t.name == name), None)
+    return None if t is None else int(t.shape[-1])
+
+
+def _phi3(path: Path, get: dict[str, Any], head_dim: int) -> dict[str, Any]:
+    """Phi-3's window (0: none, Phi-4), partial rotary and longrope factors (tensors)."""
+    import numpy as np
+
+    out: dict[str, Any] = {"sliding_window": get["attention.sliding_window"] or None}
+    dims = get["rope.dimension_count"]
+    if dims and dims != head_dim:
+        out["partial_rotary_factor"] = dims / head_dim
+    factors = {t.name: np.array(t.data, dtype=np.float32).tolist()
+               for t in open_reader(path).tensors if t.name in ROPE_FACTORS}
+    if factors:
+        out["rope_scaling"] = {
+            "rope_type": "longrope", "long_factor": factors["rope_factors_long.weight"],
+            "short_factor": factors["rope_factors_short.weight"],
+            "original_max_position_embeddings": get["rope.scaling.original_context_length"]}
+    return out
+
+
+def _gemma3(get: dict[str, Any], layers: int, hidden: int, heads: int,
+            head_dim: int) -> dict[str, Any]:
+    """Gemma 3's layer kinds, local rope base and attention scale, fixed in llama.cpp rather
+    than written: every sixth layer global, the others windowed with base 10,000; the scale
+    head_dim^-0.5, but hidden / heads for the 27B (62 layers)."""
+    window = get["attention.sliding_window"]
+    out: dict[str, Any] = {
+        "sliding_window": window, "rope_local_base_freq": 10000.0,
+        "query_pre_attn_scalar": hidden // heads if layers == 62 else head_dim,
+        "final_logit_softcapping": get["final_logit_softcapping"]}
+    if window:
+        out["layer_types"] = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                              for i in range(layers)]
+    if get["rope.scaling.type"] == "linear" and get["rope.scaling.factor"]:
+        out["rope_scaling"] = {"rope_type": "linear", "factor": get["rope.scaling.factor"]}
+    return out
 
 
 def save_tokenizer(path: Path, out_dir: Path, model_type: str) -> None:
@@ -198,11 +261,14 @@ def iter_tensors(reader, config: dict[str, Any]) -> Iterator[tuple[str, torch.Te
     import numpy as np
     import torch
 
-    permute_qk = config["model_type"] in PERMUTED_QK
+    model_type = config["model_type"]
+    permute_qk = model_type in PERMUTED_QK
     num_heads = config["num_attention_heads"]
     num_kv_heads = config.get("num_key_value_heads") or num_heads
     for t in reader.tensors:
-        name = hf_name(t.name)
+        if t.name in ROPE_FACTORS:  # in the config (_phi3)
+            continue
+        name = hf_name(t.name, model_type)
         array = gguf.quants.dequantize(t.data, t.tensor_type)
         # GGUF lists dims fastest-first; numpy's shape is HF's [out, in].
         shape = tuple(int(d) for d in reversed(t.shape))
@@ -211,4 +277,6 @@ def iter_tensors(reader, config: dict[str, Any]) -> Iterator[tuple[str, torch.Te
             w = unpermute(w, num_heads)
         elif permute_qk and name.endswith("k_proj.weight"):
             w = unpermute(w, num_kv_heads)
+        elif model_type == "gemma3" and name.endswith("norm.weight"):
+            w -= 1.0  # the converter stores Gemma's (1 + w); the model adds the 1 itself
         yield name, w

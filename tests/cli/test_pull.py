@@ -247,6 +247,24 @@ def test_pull_gguf_file(home, tmp_path, capsys):
         assert (stored.path / name).read_bytes() == (tmp_path / "auto" / name).read_bytes()
 
 
+def test_unsupported_gguf_architecture_is_named_with_what_is_supported(home, tmp_path, capsys):
+    import gguf
+
+    path = tmp_path / "other.gguf"
+    w = gguf.GGUFWriter(str(path), "gemma2")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert main(["pull", str(path)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "unsupported GGUF architecture 'gemma2'" in err
+    assert "supported: llama, granite, smollm3, qwen2, qwen3, phi3, gemma3" in err
+    assert ModelStore().list() == []
+
+
 def test_full_disk_one_line_error_and_nothing_left(home, llama_folder, monkeypatch, capsys):
     import errno
 

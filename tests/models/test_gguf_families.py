@@ -3,12 +3,11 @@ llama-cpp-python sdist, fetched once into the test cache): each family's tiny mo
 save_pretrained and converted, pulls with the same tokenizer and the same logits as its folder.
 
 The converter's byte-level BPE path needs a tokenizer it knows: the models take the real
-SmolLM2's (its vocabulary of 49,152). Families whose converter needs a SentencePiece
-tokenizer.model (Phi-3, Gemma) or a pre-tokenizer it does not know here (Qwen2/3) are not
-among them yet."""
+SmolLM2's (its vocabulary of 49,152), loaded as its tokenizer.json defines it (CONVERT)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -28,9 +27,32 @@ pytestmark = pytest.mark.real_model  # the real smollm2-135m's tokenizer
 SDIST = "llama-cpp-python==0.3.36"
 VENDOR = "llama_cpp_python-0.3.36/vendor/llama.cpp/"
 PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
-FAMILIES = {"llama": {}, "mistral": {}, "granite": {},
+FAMILIES = {"llama": {}, "mistral": {}, "granite": {}, "qwen2": {}, "qwen3": {}, "phi3": {},
             # llama.cpp leaves rotary out of every fourth layer, as SmolLM3 does
-            "smollm3": {"num_hidden_layers": 4, "no_rope_layer_interval": 4}}
+            "smollm3": {"num_hidden_layers": 4, "no_rope_layer_interval": 4},
+            # llama.cpp fixes Gemma 3's pattern (every sixth layer global) and its attention
+            # scale (head_dim^-0.5 below 27B) instead of writing them
+            "gemma3": {"num_hidden_layers": 6, "sliding_window_pattern": 6,
+                       "query_pre_attn_scalar": 32},
+            # Phi-4-mini: partial rotary, longrope factors (tensors in the GGUF)
+            "phi4-mini": {"partial_rotary_factor": 0.75, "original_max_position_embeddings": 64,
+                          "rope_scaling": {"rope_type": "longrope",
+                                           "short_factor": [1.0 + 0.1 * i for i in range(12)],
+                                           "long_factor": [1.0 + 0.5 * i for i in range(12)]}}}
+ARCH = {"phi4-mini": "phi3"}  # the transformers family of each entry (its name otherwise)
+
+
+# The converter run as it is, its tokenizer loaded as tokenizer.json defines it: transformers
+# builds a Qwen or Gemma folder's with that family's own pre-tokenizer, which the converter's
+# list of known pre-tokenizers does not hold on SmolLM2's vocabulary (real Qwen and Gemma
+# tokenizers it knows). Tensors and metadata are the converter's own.
+CONVERT = """import os, runpy, sys, transformers
+transformers.AutoTokenizer.from_pretrained = (
+    lambda path, *a, **k: transformers.TokenizersBackend.from_pretrained(path))
+sys.argv = sys.argv[1:]
+sys.path.insert(0, os.path.dirname(sys.argv[0]))
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
 
 
 @pytest.fixture(scope="session")
@@ -68,15 +90,19 @@ def tokenizer_files(real_home) -> Path:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_converted_gguf_pulls_as_its_folder(family, converter, tokenizer_files, tmp_path,
                                             monkeypatch):
-    hf = hf_model(family, seed=9, vocab_size=49152, tie_word_embeddings=True,
+    hf = hf_model(ARCH.get(family, family), seed=9, vocab_size=49152, tie_word_embeddings=True,
                   **FAMILIES[family])
     folder = tmp_path / f"tiny-{family}"
     hf.save_pretrained(folder, safe_serialization=True)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokenizer_files / name, folder / name)
+    shutil.copy(tokenizer_files / "tokenizer.json", folder / "tokenizer.json")
+    config = json.loads((tokenizer_files / "tokenizer_config.json").read_text())
+    # Phi-4's tokenizer class: the converter takes its byte-level BPE (not tokenizer.model)
+    config["tokenizer_class"] = "GPT2Tokenizer"
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
     gguf = tmp_path / f"tiny-{family}-converted.gguf"
-    run = subprocess.run([sys.executable, str(converter), str(folder), "--outfile", str(gguf),
-                          "--outtype", "f32"], capture_output=True, text=True, timeout=600)
+    run = subprocess.run([sys.executable, "-c", CONVERT, str(converter), str(folder),
+                          "--outfile", str(gguf), "--outtype", "f32"],
+                         capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     home = tmp_path / "home"
     pull_into(home, folder)
