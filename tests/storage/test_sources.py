@@ -14,4 +14,5 @@ def test_every_alias_resolves_to_its_catalogue_entry():
         assert _alias_of(alias) == alias
         assert resolve(alias) == Source("catalogue", alias, alias)
         assert re.fullmatch(r"[\w.-]+/[\w.-]+", entry.repo), entry.repo
-    assert {"smollm3-3b", "granite-3.3-2b"} <= set(CATALOGUE)
+    assert {"smollm3-3b", "granite-3.3-2b", "phi4-mini", "ministral-8b", "qwen3-4b",
+            "llama3.1-8b"} <= set(CATALOGUE)
