@@ -54,6 +54,7 @@ VOCAB_SIZE = len(tiny_vocab()[0]) + 5  # a few spare rows, as real checkpoints h
 def hf_config(arch: str, **overrides):
     """A tiny transformers config of the given family (fp32, 2 layers, GQA 4:2)."""
     from transformers import (
+        Gemma2Config,
         Gemma3TextConfig,
         GraniteConfig,
         LlamaConfig,
@@ -69,7 +70,7 @@ def hf_config(arch: str, **overrides):
     cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
            "granite": GraniteConfig, "smollm3": SmolLM3Config, "mistral": MistralConfig,
            "phi3": Phi3Config, "gemma3": Gemma3TextConfig, "ministral": MinistralConfig,
-           "ministral3": Ministral3Config}[arch]
+           "ministral3": Ministral3Config, "gemma2": Gemma2Config}[arch]
     kwargs = dict(
         vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -92,6 +93,10 @@ def hf_config(arch: str, **overrides):
             "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0,
             "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1,
             "original_max_position_embeddings": 64})
+    if arch == "gemma2":  # windowed and global layers; scores capped low enough to matter here
+        kwargs |= dict(num_hidden_layers=3, sliding_window=24, head_dim=32,
+                       query_pre_attn_scalar=24, attn_logit_softcapping=0.5,
+                       final_logit_softcapping=30.0, pad_token_id=0)
     if arch == "phi3":  # q/k/v and gate/up stored fused
         kwargs |= dict(pad_token_id=0, sliding_window=None)
     if arch == "gemma3":  # local (windowed, own rope base) and global layers (linear scaling)
@@ -112,7 +117,7 @@ def hf_model(arch: str, seed: int = 0, **overrides):
         for p in model.parameters():
             p.normal_(0, 0.08).copy_(p.bfloat16().float())
         # RMSNorm weights near their neutral value: 1, or 0 where the norm scales by (1 + w)
-        neutral = 0.0 if arch == "gemma3" else 1.0
+        neutral = 0.0 if arch.startswith("gemma") else 1.0
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_((neutral + 0.1 * torch.randn_like(p)).bfloat16().float())

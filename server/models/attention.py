@@ -251,10 +251,13 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q: [T, Hq, D]; caches: [Hkv, num_slots, D] already holding this step's k/v -> [T, Hq*D].
     `window`: each query attends over its last `window` positions only (its own included), as
-    transformers' sliding-window layers do; None: over all before it.
+    transformers' sliding-window layers do; None: over all before it. `softcap` (Gemma 2): the
+    scores are cap * tanh(scores / cap) before the mask, in the PyTorch paths only (the C
+    kernels have no cap).
 
     Batched matmuls over fixed-shape tiles (see the module docstring), laid out [Hkv, B, ...] so
     the gathered keys/values are contiguous and the G query heads of a kv head share them
@@ -268,15 +271,15 @@ def paged_attention(
     for g in meta.groups:
         g = g.within(window)
         o = rows = None
-        if g.in_place and window is None:  # a prompt chunk's queries, the cache read in place
+        if g.in_place and window is None and softcap is None:  # the cache read in place
             o = layer_ops.paged_prompt(q.index_select(0, g.dest), k_cache, v_cache,
                                        g.context_slots[0], g.start, scale)
         if o is None:  # [padded rows, Hq * D], the real ones at g.valid
             if g.first_tile >= 0:
                 o = _prompt_tiles(q, k_cache, v_cache, g, scale, num_kv_heads, group_size,
-                                  window)
+                                  window, softcap)
             else:
-                o = _decodes(q, k_cache, v_cache, g, scale, num_kv_heads, group_size)
+                o = _decodes(q, k_cache, v_cache, g, scale, num_kv_heads, group_size, softcap)
             rows = g.valid
         if g.whole_step:
             return o
@@ -295,13 +298,15 @@ def _gather(cache: torch.Tensor, g: AttentionGroup, dtype: torch.dtype) -> torch
 
 
 def _decodes(q, k_cache, v_cache, g: AttentionGroup, scale: float, num_kv_heads: int,
-             group_size: int) -> torch.Tensor:
+             group_size: int, softcap: float | None = None) -> torch.Tensor:
     """One query per entry, over its context: in layer_ops.paged_decode, reading the cache in
-    place, or else in tiles of CONTEXT_TILE."""
+    place, or else (and with a softcap) in tiles of CONTEXT_TILE."""
     qg = q if g.whole_step else q[g.token_index[:, 0]]
-    o = layer_ops.paged_decode(qg.contiguous(), k_cache, v_cache, g.context_slots, g.lens, scale)
-    if o is not None:
-        return o
+    if softcap is None:
+        o = layer_ops.paged_decode(qg.contiguous(), k_cache, v_cache, g.context_slots, g.lens,
+                                   scale)
+        if o is not None:
+            return o
     b, ctx = g.context_slots.shape
     head_dim, nc, hb = q.shape[-1], ctx // CONTEXT_TILE, num_kv_heads * b
     adt = torch.float32 if g.fp32 else q.dtype
@@ -313,6 +318,8 @@ def _decodes(q, k_cache, v_cache, g: AttentionGroup, scale: float, num_kv_heads:
     k = _gather(k_cache, g, adt).view(hb * nc, CONTEXT_TILE, head_dim)
     v = _gather(v_cache, g, adt).view(hb * nc, CONTEXT_TILE, head_dim)
     scores = torch.bmm(qg, k.transpose(1, 2)).float()  # [Hkv * B * nc, G, CONTEXT_TILE]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.view(num_kv_heads, b, nc, group_size, CONTEXT_TILE)
     scores += g.mask.view(1, b, nc, 1, CONTEXT_TILE)
     peak = scores.amax(dim=(2, 4), keepdim=True)  # exact in any order
@@ -326,7 +333,8 @@ def _decodes(q, k_cache, v_cache, g: AttentionGroup, scale: float, num_kv_heads:
 
 
 def _prompt_tiles(q, k_cache, v_cache, g: AttentionGroup, scale: float, num_kv_heads: int,
-                  group_size: int, window: int | None = None) -> torch.Tensor:
+                  group_size: int, window: int | None = None,
+                  softcap: float | None = None) -> torch.Tensor:
     """A prompt chunk's aligned query tiles, tile j over the context up to its own end (and
     with a `window`, each query not before its own position - window + 1)."""
     num_tiles = g.token_index.shape[0]
@@ -341,6 +349,8 @@ def _prompt_tiles(q, k_cache, v_cache, g: AttentionGroup, scale: float, num_kv_h
     for j in range(num_tiles):
         n = (g.first_tile + j + 1) * QUERY_TILE
         scores = torch.bmm(qg[j], k[:, :n].transpose(1, 2))  # [Hkv, G * QT, n]
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         scores.view(num_kv_heads, group_size, QUERY_TILE, n)[..., n - QUERY_TILE:].add_(
             g.mask[j])
         if window is not None and n > window:  # some query's window starts after position 0

@@ -27,6 +27,9 @@ SUPPORTED_ARCHITECTURES = {
     # Gemma 3's text models: (1 + w) RMSNorms, q/k norm, a norm before and after each block,
     # GeGLU, scaled embeddings, local (windowed) and global layers with their own rope bases
     "Gemma3ForCausalLM": {"qkv_bias": False, "qk_norm": True},
+    # Gemma 2: as Gemma 3 without q/k norms or a local rope base, its attention scores
+    # soft-capped
+    "Gemma2ForCausalLM": {"qkv_bias": False, "qk_norm": False},
     # The bare backbones (no LM head): how embedding checkpoints are often saved.
     "LlamaModel": {"qkv_bias": False, "qk_norm": False},
     "Qwen2Model": {"qkv_bias": True, "qk_norm": False},
@@ -76,6 +79,7 @@ class ModelConfig:
     sandwich_norms: bool = False  # Gemma: a norm after attention and after the MLP too
     activation: str = "silu"  # the gated MLP's: silu, or gelu_pytorch_tanh (GeGLU)
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+    attn_logit_softcapping: float | None = None  # Gemma 2: attention scores so capped too
     # Partial rotary (Phi-4-mini): the first rotary_dim dims of each head rotate, the rest pass
     # through; None: all of them.
     rotary_dim: int | None = None
@@ -132,7 +136,7 @@ class ModelConfig:
             query_position_scale=None if beta is None else (
                 float(beta), int(rope_scaling["original_max_position_embeddings"])),
             **(_granite(hf) if arch == "GraniteForCausalLM" else {}),
-            **(_gemma(hf, head_dim) if arch == "Gemma3ForCausalLM" else {}),
+            **(_gemma(hf, head_dim) if arch.startswith("Gemma") else {}),
         )
 
     @property
@@ -207,10 +211,9 @@ def _rotary_dim(factor: float, head_dim: int) -> int | None:
 
 
 def _gemma(hf: dict[str, Any], head_dim: int) -> dict[str, Any]:
-    """Gemma 3's settings: how its norms, embeddings, MLP, attention scale and logits differ."""
-    if hf.get("attn_logit_softcapping") is not None:
-        raise UnsupportedModelError("attention logit soft-capping is not supported")
-    cap = hf.get("final_logit_softcapping")
+    """Gemma's settings: how its norms, embeddings, MLP, attention scale, attention scores
+    (Gemma 2) and logits differ."""
+    cap, attn_cap = hf.get("final_logit_softcapping"), hf.get("attn_logit_softcapping")
     activation = hf.get("hidden_activation") or "gelu_pytorch_tanh"
     if activation != "gelu_pytorch_tanh":
         raise UnsupportedModelError(f"unsupported activation {activation!r}")
@@ -218,7 +221,8 @@ def _gemma(hf: dict[str, Any], head_dim: int) -> dict[str, Any]:
             "activation": activation,
             "embedding_multiplier": float(hf["hidden_size"]) ** 0.5,
             "attention_scale": float(hf.get("query_pre_attn_scalar", head_dim)) ** -0.5,
-            "final_logit_softcapping": None if cap is None else float(cap)}
+            "final_logit_softcapping": None if cap is None else float(cap),
+            "attn_logit_softcapping": None if attn_cap is None else float(attn_cap)}
 
 
 def _sliding_window(hf: dict[str, Any]) -> int | None:

@@ -102,6 +102,7 @@ class Attention(nn.Module):
         self.scale = config.scale
         self.uses_rope = config.uses_rope(layer)
         self.window = config.layer_window(layer)  # None: attends over all before
+        self.softcap = config.attn_logit_softcapping  # Gemma 2's capped scores
         # Gemma 3's windowed layers rotate with their own base (the model's local tables)
         self.local_rope = self.window is not None and config.local_rope_theta is not None
 
@@ -141,8 +142,8 @@ class Attention(nn.Module):
                                  self.v_proj(x, rows), rope, k_cache, v_cache, meta.slot_mapping)
         if rope.query_scale is not None:
             q = q * rope.query_scale
-        return self.o_proj(paged_attention(q, k_cache, v_cache, meta, self.scale, self.window),
-                           rows)
+        return self.o_proj(paged_attention(q, k_cache, v_cache, meta, self.scale, self.window,
+                                           self.softcap), rows)
 
     def _rope_store(self, q, k, v, rope: Rotary, k_cache, v_cache, slots) -> torch.Tensor:
         """PyTorch's rotary embedding and cache write (what layer_ops.rope_store does)."""

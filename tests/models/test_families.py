@@ -41,7 +41,9 @@ FAMILIES = [("llama", "llama", {}), ("qwen2", "qwen2", {}), ("qwen3", "qwen3", {
             ("phi3-window", "phi3", {"sliding_window": 40}),
             # local (24-token window, own rope base) and global (linear-scaled rope) layers,
             # (1 + w) norms, sandwich norms, GeGLU, soft-capped logits, tied embeddings
-            ("gemma3", "gemma3", {"tie_word_embeddings": True})]
+            ("gemma3", "gemma3", {"tie_word_embeddings": True}),
+            # Gemma 2: its attention scores soft-capped, windowed and global layers
+            ("gemma2", "gemma2", {"tie_word_embeddings": True})]
 CPU = torch.device("cpu")
 LENGTHS = (5, 37, 130)
 # Mean KL(bits 16 || bits B) over the positions of a 130-token prompt, nats, measured on a Zen 4
@@ -178,7 +180,7 @@ def test_which_layers_are_windowed_is_read_from_each_config():
      "unsupported rope scaling 'dynamic'"),
     ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}},
      "longrope rope scaling without original_max_position_embeddings"),
-    ({"architectures": ["Gemma2ForCausalLM"]}, "unsupported architecture 'Gemma2ForCausalLM'"),
+    ({"architectures": ["Gemma3nForCausalLM"]}, "unsupported architecture 'Gemma3nForCausalLM'"),
 ])
 def test_what_is_not_implemented_yet_is_refused_by_name(change, said):
     from server.models.config import ModelConfig, UnsupportedModelError
