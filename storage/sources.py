@@ -62,6 +62,8 @@ CATALOGUE: dict[str, CatalogueEntry] = {
     "granite-3.3-2b": CatalogueEntry("ibm-granite/granite-3.3-2b-instruct"),
     "granite-3.3-8b": CatalogueEntry("ibm-granite/granite-3.3-8b-instruct"),
     "gemma3-1b": CatalogueEntry("google/gemma-3-1b-it"),
+    "gemma3-4b": CatalogueEntry("google/gemma-3-4b-it"),  # its language model (text_part)
+    "gemma3-12b": CatalogueEntry("google/gemma-3-12b-it"),
     "llama3.2-1b": CatalogueEntry("meta-llama/Llama-3.2-1B-Instruct"),
     "llama3.2-3b": CatalogueEntry("meta-llama/Llama-3.2-3B-Instruct"),
     "llama3.1-8b": CatalogueEntry("meta-llama/Llama-3.1-8B-Instruct"),
@@ -125,7 +127,54 @@ def resolve(spec: str) -> Source:
 
 
 def fetch(source: Source, workdir: Path, cache_dir: Path) -> Checkpoint:
-    """Bring the model's files onto this machine; `workdir` is scratch space for this pull."""
+    """Bring the model's files onto this machine; `workdir` is scratch space for this pull. A
+    vision-language checkpoint comes as its language model (text_part)."""
+    return text_part(_fetch(source, workdir, cache_dir))
+
+
+# Vision-language checkpoints whose language model is a family served here: the architecture
+# its text_config is (Gemma 3 4B/12B/27B, Mistral Small 3.1/3.2).
+TEXT_PARTS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
+              "Mistral3ForConditionalGeneration": "MistralForCausalLM"}
+# Where such checkpoints keep the language model's tensors (the hub's files, and transformers
+# 5's own names)
+_TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                  ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head."))
+
+
+def text_part(checkpoint: Checkpoint) -> Checkpoint:
+    """The checkpoint as its language model: text_config completed with its family's defaults
+    (hub configs keep only what differs), the tensors renamed, the vision tower and projector
+    left out. Text in, text out: images are not served."""
+    config = checkpoint.hf_config
+    text_arch = next((TEXT_PARTS[a] for a in config.get("architectures") or []
+                      if a in TEXT_PARTS), None)
+    if text_arch is None:
+        return checkpoint
+    from transformers import AutoConfig
+
+    text = dict(config.get("text_config") or {})
+    try:
+        text = AutoConfig.for_model(text.pop("model_type"), **text).to_dict()
+    except (KeyError, ValueError) as e:
+        raise SourceError(f"cannot read the language model's config ({e})") from e
+    for key in ("tie_word_embeddings", "bos_token_id", "eos_token_id"):
+        if config.get(key) is not None:
+            text[key] = config[key]
+    text["architectures"] = [text_arch]
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, w in checkpoint.tensors():
+            for prefix, to in _TEXT_PREFIXES:
+                if name.startswith(prefix):
+                    yield to + name[len(prefix):], w
+                    break
+
+    return Checkpoint(text, checkpoint.tokenizer_dir, checkpoint.num_tensors, tensors,
+                      checkpoint.origin)
+
+
+def _fetch(source: Source, workdir: Path, cache_dir: Path) -> Checkpoint:
     if source.kind == "dir":
         return _from_dir(Path(source.ref), {"kind": "dir", "path": source.ref})
     if source.kind == "gguf":

@@ -16,7 +16,7 @@ from server.engine.sequence import SamplingParams, Sequence
 from server.models.loader import load_model
 from server.models.simple import prompt_logits
 from storage.models import ModelStore
-from tests.helpers import hf_model, pull_into, save_hf_folder
+from tests.helpers import hf_config, hf_model, pull_into, save_hf_folder
 
 # (name, transformers family, config overrides): every layer kind of each family
 FAMILIES = [("llama", "llama", {}), ("qwen2", "qwen2", {}), ("qwen3", "qwen3", {}),
@@ -189,3 +189,51 @@ def test_what_is_not_implemented_yet_is_refused_by_name(change, said):
               "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1}
     with pytest.raises(UnsupportedModelError, match=said):
         ModelConfig.from_hf(config | change)
+
+
+def vision_language(arch: str):
+    """A tiny vision-language model of transformers (Gemma 3 4B's kind, Mistral Small 3.1's),
+    weights rounded to bf16 as hf_model's."""
+    from transformers import (
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
+        Mistral3Config,
+        Mistral3ForConditionalGeneration,
+    )
+
+    # Gemma 3's published configs cap no logits (transformers' vision-language wrapper would
+    # not apply the cap anyway)
+    text = hf_config(arch, **({"final_logit_softcapping": None} if arch == "gemma3" else {}))
+    text = text.to_dict()
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=28, patch_size=14)
+    if arch == "gemma3":
+        config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
+        cls = Gemma3ForConditionalGeneration
+    else:
+        config = Mistral3Config(text_config=text, vision_config=vision | {
+            "model_type": "pixtral", "head_dim": 16})
+        cls = Mistral3ForConditionalGeneration
+    torch.manual_seed(4)
+    model = cls(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            neutral = (0.0 if arch == "gemma3" else 1.0) if "norm" in name else 0.0
+            p.normal_(neutral, 0.08).copy_(p.bfloat16().float())
+    return model
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "mistral"])
+def test_a_vision_language_checkpoint_pulls_as_its_language_model(arch, tmp_path, monkeypatch):
+    """Gemma 3 4B and up, Mistral Small 3.1/3.2 are saved with a vision tower: their language
+    model is pulled (text in, text out) and gives the whole model's logits on text."""
+    hf = vision_language(arch)
+    folder = save_hf_folder(hf, tmp_path / f"tiny-vl-{arch}")
+    pull_into(tmp_path / "home", folder, 16)
+    ours = loaded(tmp_path / "home", monkeypatch, f"tiny-vl-{arch}:bf16")
+    assert ours.config.architecture == {"gemma3": "Gemma3ForCausalLM",
+                                        "mistral": "MistralForCausalLM"}[arch]
+    ids = prompt(37, 3)
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(prompt_logits(ours, ids), ref, atol=1e-3, rtol=0)
