@@ -64,13 +64,15 @@ def hf_config(arch: str, **overrides):
         Phi3Config,
         Qwen2Config,
         Qwen3Config,
+        Qwen3MoeConfig,
         SmolLM3Config,
     )
 
     cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
            "granite": GraniteConfig, "smollm3": SmolLM3Config, "mistral": MistralConfig,
            "phi3": Phi3Config, "gemma3": Gemma3TextConfig, "ministral": MinistralConfig,
-           "ministral3": Ministral3Config, "gemma2": Gemma2Config}[arch]
+           "ministral3": Ministral3Config, "gemma2": Gemma2Config,
+           "qwen3_moe": Qwen3MoeConfig}[arch]
     kwargs = dict(
         vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -78,6 +80,10 @@ def hf_config(arch: str, **overrides):
     )
     if arch == "qwen3":
         kwargs["head_dim"] = 32
+    if arch == "qwen3_moe":  # 8 experts, 2 a token, renormalized; layer 1 a plain MLP
+        kwargs |= dict(head_dim=32, num_experts=8, num_experts_per_tok=2,
+                       moe_intermediate_size=64, norm_topk_prob=True, num_hidden_layers=3,
+                       mlp_only_layers=[1])
     if arch == "granite":  # every multiplier away from 1 (real ones: 12, 0.22, 1/128, 8)
         kwargs |= dict(embedding_multiplier=3.0, residual_multiplier=0.5,
                        attention_multiplier=0.1, logits_scaling=2.5)

@@ -15,6 +15,9 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": {"qkv_bias": False, "qk_norm": False},
     "Qwen2ForCausalLM": {"qkv_bias": True, "qk_norm": False},
     "Qwen3ForCausalLM": {"qkv_bias": False, "qk_norm": True},
+    # Qwen3-MoE: Qwen3's attention; its MLPs a mixture of experts (top-k of num_experts, the
+    # weights renormalized where norm_topk_prob), but the layers mlp_only_layers names
+    "Qwen3MoeForCausalLM": {"qkv_bias": False, "qk_norm": True},
     "GraniteForCausalLM": {"qkv_bias": False, "qk_norm": False},
     "SmolLM3ForCausalLM": {"qkv_bias": False, "qk_norm": False},
     "MistralForCausalLM": {"qkv_bias": False, "qk_norm": False},
@@ -86,6 +89,12 @@ class ModelConfig:
     # Ministral 3: queries times 1 + beta * log(1 + floor(position / period)), after rotary
     # (transformers' llama_4_scaling_beta); None: unscaled.
     query_position_scale: tuple[float, int] | None = None
+    # Mixture of experts (Qwen3-MoE): per layer, whether its MLP is one (() none is)
+    moe_layers: tuple[bool, ...] = ()
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
@@ -136,6 +145,7 @@ class ModelConfig:
             query_position_scale=None if beta is None else (
                 float(beta), int(rope_scaling["original_max_position_embeddings"])),
             **(_granite(hf) if arch == "GraniteForCausalLM" else {}),
+            **(_moe(hf) if arch == "Qwen3MoeForCausalLM" else {}),
             **(_gemma(hf, head_dim) if arch.startswith("Gemma") else {}),
         )
 
@@ -150,6 +160,10 @@ class ModelConfig:
             return None
         return self.sliding_window
 
+    def is_moe(self, layer: int) -> bool:
+        """Whether `layer`'s MLP is a mixture of experts."""
+        return bool(self.moe_layers) and self.moe_layers[layer]
+
     def uses_rope(self, layer: int) -> bool:
         return not self.rope_layers or self.rope_layers[layer]
 
@@ -163,9 +177,12 @@ class ModelConfig:
         if self.o_bias:
             attn += h
         norms = (4 if self.sandwich_norms else 2) * h + (2 * d if self.qk_norm else 0)
-        layer = attn + 3 * h * i + norms
+        layer = attn + norms
+        num_moe = sum(self.moe_layers)
+        mlps = (self.num_layers - num_moe) * 3 * h * i + num_moe * self.num_experts * (
+            3 * h * self.moe_intermediate_size + h)
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * layer + embed + h
+        return self.num_layers * layer + mlps + embed + h
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -260,6 +277,22 @@ def _rope_layers(hf: dict[str, Any]) -> tuple[bool, ...]:
     if len(flags) != hf["num_hidden_layers"] or any(f not in (0, 1) for f in flags):
         raise UnsupportedModelError(f"no_rope_layers must hold a 0 or 1 per layer, got {flags}")
     return tuple(bool(f) for f in flags)
+
+
+def _moe(hf: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3-MoE's experts: which layers (every decoder_sparse_step-th, but mlp_only_layers),
+    how many, how many a token, their width."""
+    experts = hf.get("num_experts") or hf.get("num_local_experts") or 0
+    step = hf.get("decoder_sparse_step") or 1
+    dense = set(hf.get("mlp_only_layers") or ())
+    layers = tuple(i not in dense and experts > 0 and (i + 1) % step == 0
+                   for i in range(hf["num_hidden_layers"]))
+    if experts and not hf.get("num_experts_per_tok"):
+        raise UnsupportedModelError("a mixture of experts without num_experts_per_tok")
+    return {"moe_layers": layers if any(layers) else (), "num_experts": experts,
+            "num_experts_per_tok": int(hf.get("num_experts_per_tok") or 0),
+            "moe_intermediate_size": int(hf.get("moe_intermediate_size") or 0),
+            "norm_topk_prob": bool(hf.get("norm_topk_prob", False))}
 
 
 def _granite(hf: dict[str, Any]) -> dict[str, float]:

@@ -96,7 +96,7 @@ class DecodePlan:
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             parts = (getattr(attn, "qkv_proj", None), attn.o_proj,
-                     getattr(mlp, "gate_up_proj", None), mlp.down_proj)
+                     getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None))
             if not all(_fits(m, shape) for m, shape in zip(parts, shapes, strict=True)):
                 return None
             qk = (attn.q_norm, attn.k_norm) if hasattr(attn, "q_norm") else ()

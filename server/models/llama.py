@@ -25,6 +25,7 @@ from server.models.batch import ForwardBatch
 from server.models.config import ModelConfig
 from server.models.decode_plan import DecodePlan
 from server.models.linear import Linear
+from server.models.moe import SparseMoE
 from server.quant import fuse_linears
 from server.quant.rows import RowSplit
 
@@ -166,9 +167,10 @@ ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approxim
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, intermediate: int | None = None) -> None:
+        """`intermediate`: its width (a mixture's experts'), default the config's."""
         super().__init__()
-        h, i = config.hidden_size, config.intermediate_size
+        h, i = config.hidden_size, intermediate or config.intermediate_size
         self.gate_up_proj: nn.Module | None = None  # gate and up in one call, after fuse()
         if config.fused_projections:  # stored fused (Phi-3), gate first
             self.gate_up_proj = Linear(h, 2 * i, bias=False)
@@ -199,7 +201,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(config, layer)
         self.residual_multiplier = config.residual_multiplier
-        self.mlp = MLP(config)
+        self.mlp = SparseMoE(config, lambda: MLP(config, config.moe_intermediate_size)) \
+            if config.is_moe(layer) else MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.sandwich = config.sandwich_norms  # Gemma: post_attention_layernorm is the

@@ -54,10 +54,16 @@ def random_state(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
                   p + "self_attn.k_proj.weight": rnd(config.num_kv_heads * d, h),
                   p + "self_attn.v_proj.weight": rnd(config.num_kv_heads * d, h),
                   p + "self_attn.o_proj.weight": rnd(h, config.num_heads * d),
-                  p + "mlp.gate_proj.weight": rnd(inter, h),
-                  p + "mlp.up_proj.weight": rnd(inter, h),
-                  p + "mlp.down_proj.weight": rnd(h, inter),
                   p + "input_layernorm.weight": ones, p + "post_attention_layernorm.weight": ones}
+        experts = [f"mlp.experts.{e}." for e in range(config.num_experts)] \
+            if config.is_moe(i) else ["mlp."]
+        width = config.moe_intermediate_size if config.is_moe(i) else inter
+        if config.is_moe(i):  # the router: spread enough that its choices are not near ties
+            state[p + "mlp.gate.weight"] = rnd(config.num_experts, h, std=0.5)
+        for e in experts:
+            state |= {p + e + "gate_proj.weight": rnd(width, h),
+                      p + e + "up_proj.weight": rnd(width, h),
+                      p + e + "down_proj.weight": rnd(h, width)}
         if config.qk_norm:
             state |= {p + "self_attn.q_norm.weight": rnd(d, std=0.2) + 1 - config.norm_offset,
                       p + "self_attn.k_norm.weight": rnd(d, std=0.2) + 1 - config.norm_offset}
@@ -118,6 +124,18 @@ def test_a_sliding_window_model_gives_the_same_however_computed():
     config = ModelConfig.from_hf(SMOLLM2_135M | dict(architectures=["MistralForCausalLM"],
                                                      model_type="mistral", sliding_window=64))
     assert [config.layer_window(i) for i in (0, 29)] == [64, 64]
+    state, schemes = quantize_state_dict(random_state(config), 4)
+    dtype = pick_dtype(CPU, None, 4)
+    same_however_computed(build_model(config, state, schemes, CPU, dtype), dtype)
+
+
+def test_a_mixture_of_experts_gives_the_same_however_computed():
+    """Qwen3-MoE's layers (16 experts, 4 a token) on SmolLM2-135M's shape, 8 layers: a token's
+    experts and their weighted sum do not depend on the other tokens of its step (moe.py)."""
+    config = ModelConfig.from_hf(SMOLLM2_135M | dict(
+        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_hidden_layers=8,
+        num_experts=16, num_experts_per_tok=4, moe_intermediate_size=256, norm_topk_prob=True))
+    assert config.is_moe(0) and config.num_experts == 16
     state, schemes = quantize_state_dict(random_state(config), 4)
     dtype = pick_dtype(CPU, None, 4)
     same_however_computed(build_model(config, state, schemes, CPU, dtype), dtype)

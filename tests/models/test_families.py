@@ -43,7 +43,9 @@ FAMILIES = [("llama", "llama", {}), ("qwen2", "qwen2", {}), ("qwen3", "qwen3", {
             # (1 + w) norms, sandwich norms, GeGLU, soft-capped logits, tied embeddings
             ("gemma3", "gemma3", {"tie_word_embeddings": True}),
             # Gemma 2: its attention scores soft-capped, windowed and global layers
-            ("gemma2", "gemma2", {"tie_word_embeddings": True})]
+            ("gemma2", "gemma2", {"tie_word_embeddings": True}),
+            # a mixture of experts (8, 2 a token) in layers 0 and 2, a plain MLP in layer 1
+            ("qwen3-moe", "qwen3_moe", {})]
 CPU = torch.device("cpu")
 LENGTHS = (5, 37, 130)
 # Mean KL(bits 16 || bits B) over the positions of a 130-token prompt, nats, measured on a Zen 4

@@ -1,0 +1,57 @@
+"""A mixture of experts in place of a layer's MLP (Qwen3-MoE): a router picks each token's top-k
+experts of num_experts; the token's output is the experts' outputs weighted by the router's
+probabilities (renormalized over the k where norm_topk_prob), as transformers computes it.
+
+The step's (token, slot) pairs are grouped by expert, so each chosen expert runs once over its
+tokens, reading its weights once; experts no token chose are not read at all. Each expert is the
+family's MLP (int4/int8 layers in our kernels, rows independent of each other), and a token sums
+its k weighted outputs in the order of its slots (the router's rank order): its numbers never
+depend on the other tokens of the step, however many share an expert with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from server.models.config import ModelConfig
+from server.models.linear import Linear
+from server.quant.rows import RowSplit
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, config: ModelConfig, expert: Callable[[], nn.Module]) -> None:
+        super().__init__()
+        self.top_k, self.normalize = config.num_experts_per_tok, config.norm_topk_prob
+        self.gate = Linear(config.hidden_size, config.num_experts, bias=False)  # the router
+        self.experts = nn.ModuleList(expert() for _ in range(config.num_experts))
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """([T, k] weights in x's dtype, [T, k] expert ids), best first."""
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), experts
+
+    def forward(self, x: torch.Tensor, rows: RowSplit | None = None) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]. `rows` is not passed on: an expert's rows are a subset
+        of the step's, each through the kernel the layer takes outside a step."""
+        t, k = x.shape[0], self.top_k
+        weights, experts = self.route(x)
+        flat = experts.flatten()
+        order = torch.argsort(flat, stable=True)  # (token, slot) pairs by expert
+        chosen, counts = torch.unique_consecutive(flat[order], return_counts=True)
+        out = x.new_empty(t * k, x.shape[1])
+        start = 0
+        for e, n in zip(chosen.tolist(), counts.tolist(), strict=True):  # one host sync
+            pairs = order[start:start + n]
+            out[pairs] = self.experts[e](x[pairs // k])
+            start += n
+        out = out.view(t, k, -1)
+        y = out[:, 0] * weights[:, :1]
+        for j in range(1, k):  # a fixed order: the token's own slots
+            y = y + out[:, j] * weights[:, j:j + 1]
+        return y
