@@ -22,7 +22,8 @@ MODEL_TYPE_TO_ARCHITECTURE = {"llama": "LlamaForCausalLM"}
 # knows none of them, or leaves out what they need (Qwen3's head_dim, Gemma 3's layer kinds).
 OWN_ARCHITECTURES = {"granite": "GraniteForCausalLM", "smollm3": "SmolLM3ForCausalLM",
                      "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                     "phi3": "Phi3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+                     "phi3": "Phi3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+                     "qwen3moe": "Qwen3MoeForCausalLM"}
 # llama.cpp's converter permutes the q/k rows of the Llama layout only
 PERMUTED_QK = ("llama", "granite", "smollm3")
 
@@ -36,6 +37,7 @@ _LAYER_NAMES = {
     "attn_output": "self_attn.o_proj",
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate_inp": "mlp.gate",  # a mixture's router
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
@@ -54,6 +56,8 @@ _GLOBAL_NAMES = {
     "output.weight": "lm_head.weight",
 }
 ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # Phi-3's longrope
+# A mixture's experts, stacked [experts, out, in] in one tensor each: HF keeps one per expert
+_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -124,7 +128,8 @@ def _own_config(path: Path, arch: str) -> dict[str, Any]:
             "attention.layer_norm_rms_epsilon", "rope.freq_base", "vocab_size",
             "attention.scale", "embedding_scale", "residual_scale", "logit_scale",
             "attention.sliding_window", "final_logit_softcapping", "rope.dimension_count",
-            "rope.scaling.type", "rope.scaling.factor", "rope.scaling.original_context_length")
+            "rope.scaling.type", "rope.scaling.factor", "rope.scaling.original_context_length",
+            "expert_count", "expert_used_count", "expert_feed_forward_length")
     f = _fields(path, (*(f"{arch}.{k}" for k in keys), "tokenizer.ggml.bos_token_id",
                        "tokenizer.ggml.eos_token_id"))
     get = {k: f.get(f"{arch}.{k}") for k in keys}
@@ -155,6 +160,11 @@ def _own_config(path: Path, arch: str) -> dict[str, Any]:
         config["no_rope_layers"] = [int((i + 1) % 4 != 0) for i in range(layers)]
     if arch == "phi3":
         config |= _phi3(path, get, config["head_dim"])
+    if arch == "qwen3moe":  # every layer a mixture; llama.cpp renormalizes the top k always
+        config |= {"num_experts": get["expert_count"],
+                   "num_experts_per_tok": get["expert_used_count"],
+                   "moe_intermediate_size": get["expert_feed_forward_length"],
+                   "norm_topk_prob": True}
     if arch == "gemma3":
         config |= _gemma3(get, layers, hidden, heads, config["head_dim"])
     return {k: v for k, v in config.items() if v is not None}
@@ -267,6 +277,15 @@ def iter_tensors(reader, config: dict[str, Any]) -> Iterator[tuple[str, torch.Te
     num_kv_heads = config.get("num_key_value_heads") or num_heads
     for t in reader.tensors:
         if t.name in ROPE_FACTORS:  # in the config (_phi3)
+            continue
+        m = _LAYER_RE.fullmatch(t.name)
+        if m and m.group(2) in _EXPERTS:
+            stacked = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type),
+                                                dtype=np.float32))
+            stacked = stacked.reshape(tuple(int(d) for d in reversed(t.shape)))
+            for e, w in enumerate(stacked):
+                yield (f"model.layers.{m.group(1)}.mlp.experts.{e}."
+                       f"{_EXPERTS[m.group(2)]}.weight", w.clone())
             continue
         name = hf_name(t.name, model_type)
         array = gguf.quants.dequantize(t.data, t.tensor_type)

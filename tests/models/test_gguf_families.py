@@ -38,8 +38,10 @@ FAMILIES = {"llama": {}, "mistral": {}, "granite": {}, "qwen2": {}, "qwen3": {},
             "phi4-mini": {"partial_rotary_factor": 0.75, "original_max_position_embeddings": 64,
                           "rope_scaling": {"rope_type": "longrope",
                                            "short_factor": [1.0 + 0.1 * i for i in range(12)],
-                                           "long_factor": [1.0 + 0.5 * i for i in range(12)]}}}
-ARCH = {"phi4-mini": "phi3"}  # the transformers family of each entry (its name otherwise)
+                                           "long_factor": [1.0 + 0.5 * i for i in range(12)]}},
+            # every layer a mixture (llama.cpp's qwen3moe has no plain MLP layers)
+            "qwen3-moe": {"mlp_only_layers": []}}
+ARCH = {"phi4-mini": "phi3", "qwen3-moe": "qwen3_moe"}  # the transformers family of each entry (its name otherwise)
 
 
 # The converter run as it is, its tokenizer loaded as tokenizer.json defines it: transformers
