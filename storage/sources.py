@@ -129,7 +129,7 @@ def resolve(spec: str) -> Source:
 def fetch(source: Source, workdir: Path, cache_dir: Path) -> Checkpoint:
     """Bring the model's files onto this machine; `workdir` is scratch space for this pull. A
     vision-language checkpoint comes as its language model (text_part)."""
-    return text_part(_fetch(source, workdir, cache_dir))
+    return per_expert(text_part(_fetch(source, workdir, cache_dir)))
 
 
 # Vision-language checkpoints whose language model is a family served here: the architecture
@@ -172,6 +172,36 @@ def text_part(checkpoint: Checkpoint) -> Checkpoint:
 
     return Checkpoint(text, checkpoint.tokenizer_dir, checkpoint.num_tensors, tensors,
                       checkpoint.origin)
+
+
+# gpt-oss keeps a layer's experts stacked: [experts, in, out] weights (x @ W), gate and up
+# interleaved by column; and their biases
+_STACKED = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)(_bias)?")
+
+
+def per_expert(checkpoint: Checkpoint) -> Checkpoint:
+    """Stacked experts as one projection per expert, as the model holds them (moe.py):
+    [out, in] weights, gate_up's gate rows first and up rows after."""
+    if "GptOssForCausalLM" not in (checkpoint.hf_config.get("architectures") or []):
+        return checkpoint
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        import torch
+
+        for name, w in checkpoint.tensors():
+            m = _STACKED.fullmatch(name)
+            if m is None:
+                yield name, w
+                continue
+            prefix, proj, bias = m.groups()
+            for e, t in enumerate(w):
+                t = t if bias else t.t()
+                if proj == "gate_up_proj":  # de-interleaved: gate, then up
+                    t = torch.cat([t[0::2], t[1::2]])
+                yield f"{prefix}.{e}.{proj}.{'bias' if bias else 'weight'}", t.contiguous()
+
+    return Checkpoint(checkpoint.hf_config, checkpoint.tokenizer_dir, checkpoint.num_tensors,
+                      tensors, checkpoint.origin)
 
 
 def _fetch(source: Source, workdir: Path, cache_dir: Path) -> Checkpoint:

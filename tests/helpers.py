@@ -56,6 +56,7 @@ def hf_config(arch: str, **overrides):
     from transformers import (
         Gemma2Config,
         Gemma3TextConfig,
+        GptOssConfig,
         GraniteConfig,
         LlamaConfig,
         Ministral3Config,
@@ -72,7 +73,7 @@ def hf_config(arch: str, **overrides):
            "granite": GraniteConfig, "smollm3": SmolLM3Config, "mistral": MistralConfig,
            "phi3": Phi3Config, "gemma3": Gemma3TextConfig, "ministral": MinistralConfig,
            "ministral3": Ministral3Config, "gemma2": Gemma2Config,
-           "qwen3_moe": Qwen3MoeConfig}[arch]
+           "qwen3_moe": Qwen3MoeConfig, "gpt_oss": GptOssConfig}[arch]
     kwargs = dict(
         vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -103,6 +104,12 @@ def hf_config(arch: str, **overrides):
         kwargs |= dict(num_hidden_layers=3, sliding_window=24, head_dim=32,
                        query_pre_attn_scalar=24, attn_logit_softcapping=0.5,
                        final_logit_softcapping=30.0, pad_token_id=0)
+    if arch == "gpt_oss":  # 8 experts, 2 a token; windowed and global layers; YaRN; the clamp
+        kwargs |= dict(head_dim=32, num_local_experts=8, num_experts_per_tok=2,  # low enough
+                       sliding_window=24, swiglu_limit=0.3, rope_parameters={  # to matter here
+                           "rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0,
+                           "beta_slow": 1.0, "truncate": False, "rope_theta": 150000.0,
+                           "original_max_position_embeddings": 64})
     if arch == "phi3":  # q/k/v and gate/up stored fused
         kwargs |= dict(pad_token_id=0, sliding_window=None)
     if arch == "gemma3":  # local (windowed, own rope base) and global layers (linear scaling)

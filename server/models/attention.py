@@ -252,12 +252,14 @@ def paged_attention(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [T, Hq, D]; caches: [Hkv, num_slots, D] already holding this step's k/v -> [T, Hq*D].
     `window`: each query attends over its last `window` positions only (its own included), as
     transformers' sliding-window layers do; None: over all before it. `softcap` (Gemma 2): the
-    scores are cap * tanh(scores / cap) before the mask, in the PyTorch paths only (the C
-    kernels have no cap).
+    scores are cap * tanh(scores / cap) before the mask; `sinks` [Hq] (gpt-oss): a logit per
+    head that joins each query's softmax and attends nowhere. Both in the PyTorch paths only
+    (the C kernels have neither).
 
     Batched matmuls over fixed-shape tiles (see the module docstring), laid out [Hkv, B, ...] so
     the gathered keys/values are contiguous and the G query heads of a kv head share them
@@ -268,18 +270,20 @@ def paged_attention(
     num_kv_heads = k_cache.shape[0]
     group_size = num_heads // num_kv_heads
     out = None
+    plain = softcap is None and sinks is None  # what the C kernels compute
     for g in meta.groups:
         g = g.within(window)
         o = rows = None
-        if g.in_place and window is None and softcap is None:  # the cache read in place
+        if g.in_place and window is None and plain:  # the cache read in place
             o = layer_ops.paged_prompt(q.index_select(0, g.dest), k_cache, v_cache,
                                        g.context_slots[0], g.start, scale)
         if o is None:  # [padded rows, Hq * D], the real ones at g.valid
             if g.first_tile >= 0:
                 o = _prompt_tiles(q, k_cache, v_cache, g, scale, num_kv_heads, group_size,
-                                  window, softcap)
+                                  window, softcap, sinks)
             else:
-                o = _decodes(q, k_cache, v_cache, g, scale, num_kv_heads, group_size, softcap)
+                o = _decodes(q, k_cache, v_cache, g, scale, num_kv_heads, group_size, softcap,
+                             sinks)
             rows = g.valid
         if g.whole_step:
             return o
@@ -298,11 +302,12 @@ def _gather(cache: torch.Tensor, g: AttentionGroup, dtype: torch.dtype) -> torch
 
 
 def _decodes(q, k_cache, v_cache, g: AttentionGroup, scale: float, num_kv_heads: int,
-             group_size: int, softcap: float | None = None) -> torch.Tensor:
+             group_size: int, softcap: float | None = None,
+             sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One query per entry, over its context: in layer_ops.paged_decode, reading the cache in
-    place, or else (and with a softcap) in tiles of CONTEXT_TILE."""
+    place, or else (and with a softcap or sinks) in tiles of CONTEXT_TILE."""
     qg = q if g.whole_step else q[g.token_index[:, 0]]
-    if softcap is None:
+    if softcap is None and sinks is None:
         o = layer_ops.paged_decode(qg.contiguous(), k_cache, v_cache, g.context_slots, g.lens,
                                    scale)
         if o is not None:
@@ -325,6 +330,10 @@ def _decodes(q, k_cache, v_cache, g: AttentionGroup, scale: float, num_kv_heads:
     peak = scores.amax(dim=(2, 4), keepdim=True)  # exact in any order
     probs = scores.sub_(peak).exp_()  # [Hkv, B, nc, G, CONTEXT_TILE]
     denom = _tile_sum(probs.sum(-1).view(hb, nc, group_size))  # [Hkv * B, G]
+    if sinks is not None:  # each head's sink joins the denominator, against the same peak
+        sink = sinks.float().view(num_kv_heads, 1, group_size)
+        denom = denom + (sink - peak.view(num_kv_heads, b, group_size)).exp().view(
+            hb, group_size)
     part = torch.bmm(probs.view(hb * nc, group_size, CONTEXT_TILE).to(adt), v)
     o = _tile_sum(part.float().view(hb, nc, group_size, head_dim)).div_(denom[..., None])
     # [Hkv, B, G, D] -> [B, Hkv * G * D]
@@ -334,7 +343,8 @@ def _decodes(q, k_cache, v_cache, g: AttentionGroup, scale: float, num_kv_heads:
 
 def _prompt_tiles(q, k_cache, v_cache, g: AttentionGroup, scale: float, num_kv_heads: int,
                   group_size: int, window: int | None = None,
-                  softcap: float | None = None) -> torch.Tensor:
+                  softcap: float | None = None,
+                  sinks: torch.Tensor | None = None) -> torch.Tensor:
     """A prompt chunk's aligned query tiles, tile j over the context up to its own end (and
     with a `window`, each query not before its own position - window + 1)."""
     num_tiles = g.token_index.shape[0]
@@ -358,7 +368,13 @@ def _prompt_tiles(q, k_cache, v_cache, g: AttentionGroup, scale: float, num_kv_h
             early = torch.arange(n, device=q.device)[None] <= rows - window  # [QT, n]
             scores.view(num_kv_heads, group_size, QUERY_TILE, n).masked_fill_(
                 early, float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)
+        if sinks is None:
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)
+        else:  # each head's sink joins the softmax, then is dropped
+            sink = sinks.to(scores.dtype).view(num_kv_heads, group_size, 1, 1).expand(
+                num_kv_heads, group_size, QUERY_TILE, 1).reshape(num_kv_heads, -1, 1)
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1,
+                                  dtype=torch.float32)[..., :-1].to(dtype)
         outs.append(torch.bmm(probs, v[:, :n]))  # [Hkv, G * QT, D]
     o = torch.stack(outs).view(num_tiles, num_kv_heads, group_size, QUERY_TILE, head_dim)
     return o.permute(0, 3, 1, 2, 4).reshape(num_tiles * QUERY_TILE,

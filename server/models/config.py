@@ -18,6 +18,10 @@ SUPPORTED_ARCHITECTURES = {
     # Qwen3-MoE: Qwen3's attention; its MLPs a mixture of experts (top-k of num_experts, the
     # weights renormalized where norm_topk_prob), but the layers mlp_only_layers names
     "Qwen3MoeForCausalLM": {"qkv_bias": False, "qk_norm": True},
+    # gpt-oss: every MLP a mixture (a router with a bias, the softmax over the top k logits;
+    # experts with biases and a clamped SwiGLU), attention with biases and a learned sink per
+    # head, windowed and global layers, YaRN
+    "GptOssForCausalLM": {"qkv_bias": False, "qk_norm": False},
     "GraniteForCausalLM": {"qkv_bias": False, "qk_norm": False},
     "SmolLM3ForCausalLM": {"qkv_bias": False, "qk_norm": False},
     "MistralForCausalLM": {"qkv_bias": False, "qk_norm": False},
@@ -95,6 +99,12 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
+    # gpt-oss: its experts' kind (silu: Qwen's; clamped: SwiGLU clamped at swiglu_limit, with
+    # biases, the router's softmax over the top k) and its attention's sink logits
+    expert_kind: str = "silu"
+    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
+    attention_sinks: bool = False
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
@@ -145,7 +155,8 @@ class ModelConfig:
             query_position_scale=None if beta is None else (
                 float(beta), int(rope_scaling["original_max_position_embeddings"])),
             **(_granite(hf) if arch == "GraniteForCausalLM" else {}),
-            **(_moe(hf) if arch == "Qwen3MoeForCausalLM" else {}),
+            **(_moe(hf) | (_gpt_oss(hf) if arch == "GptOssForCausalLM" else {})
+               if arch in ("Qwen3MoeForCausalLM", "GptOssForCausalLM") else {}),
             **(_gemma(hf, head_dim) if arch.startswith("Gemma") else {}),
         )
 
@@ -293,6 +304,14 @@ def _moe(hf: dict[str, Any]) -> dict[str, Any]:
             "num_experts_per_tok": int(hf.get("num_experts_per_tok") or 0),
             "moe_intermediate_size": int(hf.get("moe_intermediate_size") or 0),
             "norm_topk_prob": bool(hf.get("norm_topk_prob", False))}
+
+
+def _gpt_oss(hf: dict[str, Any]) -> dict[str, Any]:
+    """gpt-oss: every layer a mixture of experts as wide as intermediate_size, clamped."""
+    return {"moe_layers": (True,) * hf["num_hidden_layers"],
+            "moe_intermediate_size": int(hf["intermediate_size"]), "expert_kind": "clamped",
+            "swiglu_limit": float(hf.get("swiglu_limit", 7.0)),
+            "swiglu_alpha": float(hf.get("swiglu_alpha", 1.702)), "attention_sinks": True}
 
 
 def _granite(hf: dict[str, Any]) -> dict[str, float]:

@@ -84,8 +84,8 @@ class DecodePlan:
         if not layer_ops.enabled() or cpu_gemm.checked() is None:
             return None
         c = model.config
-        if c.attn_logit_softcapping is not None:  # the C attention has no cap
-            return None
+        if c.attn_logit_softcapping is not None or c.attention_sinks:  # the C attention has
+            return None  # neither a cap nor sinks
         if (c.head_dim % 16 or c.head_dim > layer_ops.MAX_DIM
                 or c.hidden_size > layer_ops.MAX_HIDDEN or c.num_heads % c.num_kv_heads):
             return None

@@ -25,7 +25,7 @@ from server.models.batch import ForwardBatch
 from server.models.config import ModelConfig
 from server.models.decode_plan import DecodePlan
 from server.models.linear import Linear
-from server.models.moe import SparseMoE
+from server.models.moe import ClampedExpert, SparseMoE
 from server.quant import fuse_linears
 from server.quant.rows import RowSplit
 
@@ -104,6 +104,9 @@ class Attention(nn.Module):
         self.uses_rope = config.uses_rope(layer)
         self.window = config.layer_window(layer)  # None: attends over all before
         self.softcap = config.attn_logit_softcapping  # Gemma 2's capped scores
+        # gpt-oss: a learned logit per head that takes part of the softmax, attending nowhere
+        self.sinks = nn.Parameter(torch.empty(config.num_heads)) if config.attention_sinks \
+            else None
         # Gemma 3's windowed layers rotate with their own base (the model's local tables)
         self.local_rope = self.window is not None and config.local_rope_theta is not None
 
@@ -144,7 +147,7 @@ class Attention(nn.Module):
         if rope.query_scale is not None:
             q = q * rope.query_scale
         return self.o_proj(paged_attention(q, k_cache, v_cache, meta, self.scale, self.window,
-                                           self.softcap), rows)
+                                           self.softcap, self.sinks), rows)
 
     def _rope_store(self, q, k, v, rope: Rotary, k_cache, v_cache, slots) -> torch.Tensor:
         """PyTorch's rotary embedding and cache write (what layer_ops.rope_store does)."""
@@ -201,8 +204,12 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(config, layer)
         self.residual_multiplier = config.residual_multiplier
-        self.mlp = SparseMoE(config, lambda: MLP(config, config.moe_intermediate_size)) \
-            if config.is_moe(layer) else MLP(config)
+        if not config.is_moe(layer):
+            self.mlp = MLP(config)
+        elif config.expert_kind == "clamped":
+            self.mlp = SparseMoE(config, lambda: ClampedExpert(config))
+        else:
+            self.mlp = SparseMoE(config, lambda: MLP(config, config.moe_intermediate_size))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.sandwich = config.sandwich_norms  # Gemma: post_attention_layernorm is the

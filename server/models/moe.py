@@ -1,6 +1,9 @@
-"""A mixture of experts in place of a layer's MLP (Qwen3-MoE): a router picks each token's top-k
-experts of num_experts; the token's output is the experts' outputs weighted by the router's
-probabilities (renormalized over the k where norm_topk_prob), as transformers computes it.
+"""A mixture of experts in place of a layer's MLP: a router picks each token's top-k experts of
+num_experts; the token's output is the experts' outputs weighted by the router's probabilities,
+as transformers computes them. Qwen3-MoE (`gate`): the softmax over every expert, renormalized
+over the k where norm_topk_prob; its experts the family's MLP. gpt-oss (`router`, with a bias):
+the softmax over the k best logits; its experts a SwiGLU clamped at swiglu_limit, with biases
+(ClampedExpert).
 
 The step's (token, slot) pairs are grouped by expert, so each chosen expert runs once over its
 tokens, reading its weights once; experts no token chose are not read at all. Each expert is the
@@ -21,15 +24,39 @@ from server.models.linear import Linear
 from server.quant.rows import RowSplit
 
 
+class ClampedExpert(nn.Module):
+    """gpt-oss's expert: gate and up (stored as two halves, storage/sources.per_expert), the
+    gate clamped above and up on both sides at `limit`, gate * sigmoid(alpha * gate) * (up + 1),
+    then down; every projection with a bias."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        h, i = config.hidden_size, config.moe_intermediate_size
+        self.gate_up_proj = Linear(h, 2 * i, bias=True)
+        self.down_proj = Linear(i, h, bias=True)
+        self.limit, self.alpha = config.swiglu_limit, config.swiglu_alpha
+
+    def forward(self, x: torch.Tensor, rows: RowSplit | None = None) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x, rows).chunk(2, dim=-1)
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return self.down_proj((up + 1) * (gate * torch.sigmoid(gate * self.alpha)), rows)
+
+
 class SparseMoE(nn.Module):
     def __init__(self, config: ModelConfig, expert: Callable[[], nn.Module]) -> None:
         super().__init__()
         self.top_k, self.normalize = config.num_experts_per_tok, config.norm_topk_prob
-        self.gate = Linear(config.hidden_size, config.num_experts, bias=False)  # the router
+        self.clamped = config.expert_kind == "clamped"
+        router = Linear(config.hidden_size, config.num_experts, bias=self.clamped)
+        setattr(self, "router" if self.clamped else "gate", router)  # transformers' names
         self.experts = nn.ModuleList(expert() for _ in range(config.num_experts))
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """([T, k] weights in x's dtype, [T, k] expert ids), best first."""
+        if self.clamped:  # gpt-oss: the k best logits, then their softmax
+            logits, experts = torch.topk(self.router(x), self.top_k, dim=-1)
+            return torch.softmax(logits, dim=-1), experts
         probs = torch.softmax(self.gate(x).float(), dim=-1)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.normalize:

@@ -39,7 +39,7 @@ DTYPES = sorted({pick_dtype(CPU, None, 16), torch.float32}, key=str)  # bf16 whe
 
 def random_state(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    h, inter, d = config.hidden_size, config.intermediate_size, config.head_dim
+    h, d = config.hidden_size, config.head_dim
 
     def rnd(*shape, std=0.05):
         return (torch.randn(*shape, generator=g) * std).to(torch.bfloat16)
@@ -55,21 +55,45 @@ def random_state(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
                   p + "self_attn.v_proj.weight": rnd(config.num_kv_heads * d, h),
                   p + "self_attn.o_proj.weight": rnd(h, config.num_heads * d),
                   p + "input_layernorm.weight": ones, p + "post_attention_layernorm.weight": ones}
-        experts = [f"mlp.experts.{e}." for e in range(config.num_experts)] \
-            if config.is_moe(i) else ["mlp."]
-        width = config.moe_intermediate_size if config.is_moe(i) else inter
-        if config.is_moe(i):  # the router: spread enough that its choices are not near ties
-            state[p + "mlp.gate.weight"] = rnd(config.num_experts, h, std=0.5)
-        for e in experts:
-            state |= {p + e + "gate_proj.weight": rnd(width, h),
-                      p + e + "up_proj.weight": rnd(width, h),
-                      p + e + "down_proj.weight": rnd(h, width)}
+        if config.qkv_bias:
+            state |= {p + f"self_attn.{n}_proj.bias": rnd(w * d) for n, w in (
+                ("q", config.num_heads), ("k", config.num_kv_heads), ("v", config.num_kv_heads))}
+        if config.o_bias:
+            state[p + "self_attn.o_proj.bias"] = rnd(h)
+        if config.attention_sinks:
+            state[p + "self_attn.sinks"] = rnd(config.num_heads, std=1.0)
+        state |= _mlp_state(config, i, p, rnd)
         if config.qk_norm:
             state |= {p + "self_attn.q_norm.weight": rnd(d, std=0.2) + 1 - config.norm_offset,
                       p + "self_attn.k_norm.weight": rnd(d, std=0.2) + 1 - config.norm_offset}
         if config.sandwich_norms:
             state |= {p + "pre_feedforward_layernorm.weight": ones,
                       p + "post_feedforward_layernorm.weight": ones}
+    return state
+
+
+def _mlp_state(config: ModelConfig, i: int, p: str, rnd) -> dict[str, torch.Tensor]:
+    """Layer i's MLP, or its experts and router (spread enough that the router's choices are
+    not near ties): Qwen3-MoE's gate/up/down, gpt-oss's fused gate_up and down with biases."""
+    h = config.hidden_size
+    if not config.is_moe(i):
+        inter = config.intermediate_size
+        return {p + "mlp.gate_proj.weight": rnd(inter, h), p + "mlp.up_proj.weight": rnd(inter, h),
+                p + "mlp.down_proj.weight": rnd(h, inter)}
+    width, state = config.moe_intermediate_size, {}
+    for e in range(config.num_experts):
+        q = p + f"mlp.experts.{e}."
+        if config.expert_kind == "clamped":
+            state |= {q + "gate_up_proj.weight": rnd(2 * width, h),
+                      q + "gate_up_proj.bias": rnd(2 * width), q + "down_proj.weight":
+                      rnd(h, width), q + "down_proj.bias": rnd(h)}
+        else:
+            state |= {q + "gate_proj.weight": rnd(width, h), q + "up_proj.weight": rnd(width, h),
+                      q + "down_proj.weight": rnd(h, width)}
+    router = p + ("mlp.router." if config.expert_kind == "clamped" else "mlp.gate.")
+    state[router + "weight"] = rnd(config.num_experts, h, std=0.5)
+    if config.expert_kind == "clamped":
+        state[router + "bias"] = rnd(config.num_experts)
     return state
 
 
@@ -136,6 +160,19 @@ def test_a_mixture_of_experts_gives_the_same_however_computed():
         architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_hidden_layers=8,
         num_experts=16, num_experts_per_tok=4, moe_intermediate_size=256, norm_topk_prob=True))
     assert config.is_moe(0) and config.num_experts == 16
+    state, schemes = quantize_state_dict(random_state(config), 4)
+    dtype = pick_dtype(CPU, None, 4)
+    same_however_computed(build_model(config, state, schemes, CPU, dtype), dtype)
+
+
+def test_gpt_oss_gives_the_same_however_computed():
+    """gpt-oss's layers on SmolLM2-135M's shape, 8 layers: attention sinks and biases, windowed
+    (64) and global layers, a router with a bias, 16 clamped experts, 4 a token."""
+    config = ModelConfig.from_hf(SMOLLM2_135M | dict(
+        architectures=["GptOssForCausalLM"], model_type="gpt_oss", num_hidden_layers=8,
+        num_local_experts=16, num_experts_per_tok=4, intermediate_size=256, sliding_window=64,
+        attention_bias=True, layer_types=["sliding_attention", "full_attention"] * 4))
+    assert config.attention_sinks and config.layer_window(0) == 64 and config.is_moe(7)
     state, schemes = quantize_state_dict(random_state(config), 4)
     dtype = pick_dtype(CPU, None, 4)
     same_however_computed(build_model(config, state, schemes, CPU, dtype), dtype)

@@ -45,7 +45,9 @@ FAMILIES = [("llama", "llama", {}), ("qwen2", "qwen2", {}), ("qwen3", "qwen3", {
             # Gemma 2: its attention scores soft-capped, windowed and global layers
             ("gemma2", "gemma2", {"tie_word_embeddings": True}),
             # a mixture of experts (8, 2 a token) in layers 0 and 2, a plain MLP in layer 1
-            ("qwen3-moe", "qwen3_moe", {})]
+            ("qwen3-moe", "qwen3_moe", {}),
+            # gpt-oss: attention sinks and biases, a router with a bias, clamped experts
+            ("gpt-oss", "gpt_oss", {})]
 CPU = torch.device("cpu")
 LENGTHS = (5, 37, 130)
 # Mean KL(bits 16 || bits B) over the positions of a 130-token prompt, nats, measured on a Zen 4
@@ -121,11 +123,18 @@ def test_greedy_tokens_equal_transformers_alone_batched_and_cached(family, monke
             for p, (k, _) in zip(prompts, plans, strict=True)]
 
     def seq(p, k=32):
-        return Sequence(p, SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True))
+        return Sequence(p, SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True,
+                                          logprobs=True))
 
     alone = [seq(p, k) for p, (k, _) in zip(prompts, plans, strict=True)]
     for s, (_, context) in zip(alone, plans, strict=True):
         run(ours, [s], context)
+    for s in alone:  # each generated token's logprob (decode steps) as transformers' whole
+        with torch.no_grad():
+            whole = F.log_softmax(hf(torch.tensor([s.token_ids])).logits[0], -1)
+        n = s.num_prompt_tokens
+        assert [lp for lp, _ in s.logprobs] == pytest.approx(
+            [whole[n + k - 1, t].item() for k, t in enumerate(s.output_token_ids)], abs=1e-3)
     batched = [seq(p, k) for p, (k, _) in zip(prompts, plans, strict=True)]
     for context in {c for _, c in plans}:
         run(ours, [s for s, (_, c) in zip(batched, plans, strict=True) if c == context],

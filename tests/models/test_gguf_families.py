@@ -41,7 +41,8 @@ FAMILIES = {"llama": {}, "mistral": {}, "granite": {}, "qwen2": {}, "qwen3": {},
                                            "long_factor": [1.0 + 0.5 * i for i in range(12)]}},
             # every layer a mixture (llama.cpp's qwen3moe has no plain MLP layers)
             "qwen3-moe": {"mlp_only_layers": []}}
-ARCH = {"phi4-mini": "phi3", "qwen3-moe": "qwen3_moe"}  # the transformers family of each entry (its name otherwise)
+# the transformers family of each entry (its name otherwise)
+ARCH = {"phi4-mini": "phi3", "qwen3-moe": "qwen3_moe"}
 
 
 # The converter run as it is, its tokenizer loaded as tokenizer.json defines it: transformers
