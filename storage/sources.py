@@ -175,33 +175,54 @@ def text_part(checkpoint: Checkpoint) -> Checkpoint:
 
 
 # gpt-oss keeps a layer's experts stacked: [experts, in, out] weights (x @ W), gate and up
-# interleaved by column; and their biases
-_STACKED = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)(_bias)?")
+# interleaved by column, and their biases; as published, the weights in MXFP4 (_blocks and
+# _scales, [experts, out, in / 32, 16] and [experts, out, in / 32] bytes)
+_STACKED = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)"
+                      r"(_bias|_blocks|_scales)?")
 
 
 def per_expert(checkpoint: Checkpoint) -> Checkpoint:
     """Stacked experts as one projection per expert, as the model holds them (moe.py):
-    [out, in] weights, gate_up's gate rows first and up rows after."""
+    [out, in] weights, gate_up's gate rows first and up rows after; MXFP4 weights decoded
+    (exactly, in bf16) by transformers' own decoder, a layer's at a time."""
     if "GptOssForCausalLM" not in (checkpoint.hf_config.get("architectures") or []):
         return checkpoint
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
-        import torch
 
+        packed: dict[tuple[str, str], dict[str, torch.Tensor]] = {}  # a weight's blocks, scales
         for name, w in checkpoint.tensors():
             m = _STACKED.fullmatch(name)
             if m is None:
                 yield name, w
                 continue
-            prefix, proj, bias = m.groups()
-            for e, t in enumerate(w):
-                t = t if bias else t.t()
-                if proj == "gate_up_proj":  # de-interleaved: gate, then up
-                    t = torch.cat([t[0::2], t[1::2]])
-                yield f"{prefix}.{e}.{proj}.{'bias' if bias else 'weight'}", t.contiguous()
+            prefix, proj, part = m.groups()
+            if part in ("_blocks", "_scales"):
+                pair = packed.setdefault((prefix, proj), {})
+                pair[part] = w
+                if len(pair) < 2:
+                    continue
+                from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+                del packed[(prefix, proj)]
+                w, part = convert_moe_packed_tensors(pair["_blocks"], pair["_scales"]), None
+            yield from _split_experts(prefix, proj, part == "_bias", w)
+        if packed:
+            raise SourceError(f"MXFP4 weights without their other half: {sorted(packed)}")
 
     return Checkpoint(checkpoint.hf_config, checkpoint.tokenizer_dir, checkpoint.num_tensors,
                       tensors, checkpoint.origin)
+
+
+def _split_experts(prefix: str, proj: str, bias: bool, w: torch.Tensor
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+    import torch
+
+    for e, t in enumerate(w):
+        t = t if bias else t.t()
+        if proj == "gate_up_proj":  # de-interleaved: gate, then up
+            t = torch.cat([t[0::2], t[1::2]])
+        yield f"{prefix}.{e}.{proj}.{'bias' if bias else 'weight'}", t.contiguous()
 
 
 def _fetch(source: Source, workdir: Path, cache_dir: Path) -> Checkpoint:

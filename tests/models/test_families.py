@@ -7,6 +7,8 @@ at bits 8 and 4 the KL divergence from the bits-16 model, bounded."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch.nn import functional as F
@@ -248,3 +250,32 @@ def test_a_vision_language_checkpoint_pulls_as_its_language_model(arch, tmp_path
     with torch.no_grad():
         ref = hf(input_ids=torch.tensor([ids])).logits[0]
     torch.testing.assert_close(prompt_logits(ours, ids), ref, atol=1e-3, rtol=0)
+
+
+def test_gpt_oss_mxfp4_experts_pull_as_transformers_reads_them(tmp_path, monkeypatch):
+    """gpt-oss as published: its experts' weights in MXFP4 (_blocks and _scales). Pulled, the
+    model gives the logits transformers gives the same folder, decoded (Mxfp4Config)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    folder = save_hf_folder(hf_model("gpt_oss", seed=3), tmp_path / "tiny-mxfp4")
+    tensors = load_file(str(folder / "model.safetensors"))
+    g = torch.Generator().manual_seed(0)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        e, k, n = tensors.pop(name).shape  # [experts, in, out]
+        tensors[name + "_blocks"] = torch.randint(0, 256, (e, n, k // 32, 16), generator=g,
+                                                  dtype=torch.uint8)
+        tensors[name + "_scales"] = torch.randint(122, 126, (e, n, k // 32), generator=g,
+                                                  dtype=torch.uint8)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (folder / "config.json").write_text(json.dumps(config))
+    ref = AutoModelForCausalLM.from_pretrained(
+        str(folder), quantization_config=Mxfp4Config(dequantize=True), dtype=torch.float32)
+    pull_into(tmp_path / "home", folder, 16)
+    ours = loaded(tmp_path / "home", monkeypatch, "tiny-mxfp4:bf16")
+    ids = prompt(37, 5)
+    with torch.no_grad():
+        want = ref(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(prompt_logits(ours, ids), want, atol=1e-3, rtol=0)
