@@ -23,7 +23,7 @@ MODEL_TYPE_TO_ARCHITECTURE = {"llama": "LlamaForCausalLM"}
 OWN_ARCHITECTURES = {"granite": "GraniteForCausalLM", "smollm3": "SmolLM3ForCausalLM",
                      "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                      "phi3": "Phi3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
-                     "qwen3moe": "Qwen3MoeForCausalLM"}
+                     "qwen3moe": "Qwen3MoeForCausalLM", "gpt-oss": "GptOssForCausalLM"}
 # llama.cpp's converter permutes the q/k rows of the Llama layout only
 PERMUTED_QK = ("llama", "granite", "smollm3")
 
@@ -49,6 +49,8 @@ _FAMILY_NAMES = {
     "gemma3": {"ffn_norm": "pre_feedforward_layernorm",
                "post_attention_norm": "post_attention_layernorm",
                "post_ffw_norm": "post_feedforward_layernorm"},
+    "gpt-oss": {"post_attention_norm": "post_attention_layernorm", "ffn_gate_inp": "mlp.router",
+                "attn_sinks": "self_attn.sinks"},
 }
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -73,7 +75,8 @@ def hf_name(gguf_name: str, model_type: str = "llama") -> str:
     names = _LAYER_NAMES | _FAMILY_NAMES.get(model_type, {})
     if not m or m.group(2) not in names:
         raise GGUFError(f"unknown GGUF tensor {gguf_name!r}")
-    return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
+    name = f"model.layers.{m.group(1)}.{names[m.group(2)]}"
+    return name if name.endswith(".sinks") else f"{name}.{m.group(3)}"  # sinks: a parameter
 
 
 def unpermute(w: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -129,7 +132,8 @@ def _own_config(path: Path, arch: str) -> dict[str, Any]:
             "attention.scale", "embedding_scale", "residual_scale", "logit_scale",
             "attention.sliding_window", "final_logit_softcapping", "rope.dimension_count",
             "rope.scaling.type", "rope.scaling.factor", "rope.scaling.original_context_length",
-            "expert_count", "expert_used_count", "expert_feed_forward_length")
+            "expert_count", "expert_used_count", "expert_feed_forward_length",
+            "rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow")
     f = _fields(path, (*(f"{arch}.{k}" for k in keys), "tokenizer.ggml.bos_token_id",
                        "tokenizer.ggml.eos_token_id"))
     get = {k: f.get(f"{arch}.{k}") for k in keys}
@@ -160,6 +164,8 @@ def _own_config(path: Path, arch: str) -> dict[str, Any]:
         config["no_rope_layers"] = [int((i + 1) % 4 != 0) for i in range(layers)]
     if arch == "phi3":
         config |= _phi3(path, get, config["head_dim"])
+    if arch == "gpt-oss":
+        config |= _gpt_oss(get, layers)
     if arch == "qwen3moe":  # every layer a mixture; llama.cpp renormalizes the top k always
         config |= {"num_experts": get["expert_count"],
                    "num_experts_per_tok": get["expert_used_count"],
@@ -168,6 +174,23 @@ def _own_config(path: Path, arch: str) -> dict[str, Any]:
     if arch == "gemma3":
         config |= _gemma3(get, layers, hidden, heads, config["head_dim"])
     return {k: v for k, v in config.items() if v is not None}
+
+
+def _gpt_oss(get: dict[str, Any], layers: int) -> dict[str, Any]:
+    """gpt-oss: what llama.cpp fixes in code (windowed layers first, then every other; the
+    clamp 7.0) and YaRN as the model was trained with it (no truncation)."""
+    return {"num_local_experts": get["expert_count"],
+            "num_experts_per_tok": get["expert_used_count"],
+            "intermediate_size": get["expert_feed_forward_length"],
+            "sliding_window": get["attention.sliding_window"], "attention_bias": True,
+            "swiglu_limit": 7.0, "layer_types": ["sliding_attention" if i % 2 == 0
+                                                 else "full_attention" for i in range(layers)],
+            "rope_scaling": {
+                "rope_type": "yarn", "factor": get["rope.scaling.factor"], "truncate": False,
+                "beta_fast": get["rope.scaling.yarn_beta_fast"] or 32.0,
+                "beta_slow": get["rope.scaling.yarn_beta_slow"] or 1.0,
+                "original_max_position_embeddings": get["rope.scaling.original_context_length"]}
+            if get["rope.scaling.type"] == "yarn" else None}
 
 
 def _rows(path: Path, name: str) -> int | None:
@@ -285,7 +308,7 @@ def iter_tensors(reader, config: dict[str, Any]) -> Iterator[tuple[str, torch.Te
             stacked = stacked.reshape(tuple(int(d) for d in reversed(t.shape)))
             for e, w in enumerate(stacked):
                 yield (f"model.layers.{m.group(1)}.mlp.experts.{e}."
-                       f"{_EXPERTS[m.group(2)]}.weight", w.clone())
+                       f"{_EXPERTS[m.group(2)]}.{m.group(3)}", w.clone())
             continue
         name = hf_name(t.name, model_type)
         array = gguf.quants.dequantize(t.data, t.tensor_type)

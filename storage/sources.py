@@ -182,8 +182,8 @@ _STACKED = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_p
 
 
 def per_expert(checkpoint: Checkpoint) -> Checkpoint:
-    """Stacked experts as one projection per expert, as the model holds them (moe.py):
-    [out, in] weights, gate_up's gate rows first and up rows after; MXFP4 weights decoded
+    """Stacked experts as projections of each expert, as the model holds them (moe.py):
+    [out, in] weights, gate_up split into gate and up; MXFP4 weights decoded
     (exactly, in bf16) by transformers' own decoder, a layer's at a time."""
     if "GptOssForCausalLM" not in (checkpoint.hf_config.get("architectures") or []):
         return checkpoint
@@ -216,13 +216,15 @@ def per_expert(checkpoint: Checkpoint) -> Checkpoint:
 
 def _split_experts(prefix: str, proj: str, bias: bool, w: torch.Tensor
                    ) -> Iterator[tuple[str, torch.Tensor]]:
-    import torch
 
+    leaf = "bias" if bias else "weight"
     for e, t in enumerate(w):
         t = t if bias else t.t()
-        if proj == "gate_up_proj":  # de-interleaved: gate, then up
-            t = torch.cat([t[0::2], t[1::2]])
-        yield f"{prefix}.{e}.{proj}.{'bias' if bias else 'weight'}", t.contiguous()
+        if proj == "gate_up_proj":  # interleaved: gate, up, gate, up...
+            yield f"{prefix}.{e}.gate_proj.{leaf}", t[0::2].contiguous()
+            yield f"{prefix}.{e}.up_proj.{leaf}", t[1::2].contiguous()
+        else:
+            yield f"{prefix}.{e}.{proj}.{leaf}", t.contiguous()
 
 
 def _fetch(source: Source, workdir: Path, cache_dir: Path) -> Checkpoint:

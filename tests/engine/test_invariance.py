@@ -74,7 +74,7 @@ def random_state(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
 
 def _mlp_state(config: ModelConfig, i: int, p: str, rnd) -> dict[str, torch.Tensor]:
     """Layer i's MLP, or its experts and router (spread enough that the router's choices are
-    not near ties): Qwen3-MoE's gate/up/down, gpt-oss's fused gate_up and down with biases."""
+    not near ties): Qwen3-MoE's gate/up/down, gpt-oss's with biases."""
     h = config.hidden_size
     if not config.is_moe(i):
         inter = config.intermediate_size
@@ -83,13 +83,11 @@ def _mlp_state(config: ModelConfig, i: int, p: str, rnd) -> dict[str, torch.Tens
     width, state = config.moe_intermediate_size, {}
     for e in range(config.num_experts):
         q = p + f"mlp.experts.{e}."
-        if config.expert_kind == "clamped":
-            state |= {q + "gate_up_proj.weight": rnd(2 * width, h),
-                      q + "gate_up_proj.bias": rnd(2 * width), q + "down_proj.weight":
-                      rnd(h, width), q + "down_proj.bias": rnd(h)}
-        else:
-            state |= {q + "gate_proj.weight": rnd(width, h), q + "up_proj.weight": rnd(width, h),
-                      q + "down_proj.weight": rnd(h, width)}
+        state |= {q + "gate_proj.weight": rnd(width, h), q + "up_proj.weight": rnd(width, h),
+                  q + "down_proj.weight": rnd(h, width)}
+        if config.expert_kind == "clamped":  # gpt-oss's biases
+            state |= {q + "gate_proj.bias": rnd(width), q + "up_proj.bias": rnd(width),
+                      q + "down_proj.bias": rnd(h)}
     router = p + ("mlp.router." if config.expert_kind == "clamped" else "mlp.gate.")
     state[router + "weight"] = rnd(config.num_experts, h, std=0.5)
     if config.expert_kind == "clamped":

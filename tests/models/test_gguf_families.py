@@ -40,9 +40,11 @@ FAMILIES = {"llama": {}, "mistral": {}, "granite": {}, "qwen2": {}, "qwen3": {},
                                            "short_factor": [1.0 + 0.1 * i for i in range(12)],
                                            "long_factor": [1.0 + 0.5 * i for i in range(12)]}},
             # every layer a mixture (llama.cpp's qwen3moe has no plain MLP layers)
-            "qwen3-moe": {"mlp_only_layers": []}}
+            "qwen3-moe": {"mlp_only_layers": []},
+            # llama.cpp fixes the clamp at 7.0
+            "gpt-oss": {"swiglu_limit": 7.0}}
 # the transformers family of each entry (its name otherwise)
-ARCH = {"phi4-mini": "phi3", "qwen3-moe": "qwen3_moe"}
+ARCH = {"phi4-mini": "phi3", "qwen3-moe": "qwen3_moe", "gpt-oss": "gpt_oss"}
 
 
 # The converter run as it is, its tokenizer loaded as tokenizer.json defines it: transformers
