@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 import server.kernels.cpu_gemm as cpu_gemm
 import server.kernels.layer_ops as layer_ops
@@ -25,9 +24,9 @@ from server.models.batch import ForwardBatch
 from server.models.config import ModelConfig
 from server.models.decode_plan import DecodePlan
 from server.models.linear import Linear
+from server.models.mlp import MLP
 from server.models.moe import ClampedExpert, SparseMoE
 from server.quant import fuse_linears
-from server.quant.rows import RowSplit
 
 
 class RMSNorm(nn.Module):
@@ -163,40 +162,6 @@ class Attention(nn.Module):
         k_cache.index_copy_(1, slots, k.transpose(0, 1).to(k_cache.dtype))
         v_cache.index_copy_(1, slots, v.transpose(0, 1).to(v_cache.dtype))
         return q
-
-
-# The gated MLP's activation by the config's name (transformers' ACT2FN names)
-ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
-
-
-class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, intermediate: int | None = None) -> None:
-        """`intermediate`: its width (a mixture's experts'), default the config's."""
-        super().__init__()
-        h, i = config.hidden_size, intermediate or config.intermediate_size
-        self.gate_up_proj: nn.Module | None = None  # gate and up in one call, after fuse()
-        if config.fused_projections:  # stored fused (Phi-3), gate first
-            self.gate_up_proj = Linear(h, 2 * i, bias=False)
-        else:
-            self.gate_proj = Linear(h, i, bias=False)
-            self.up_proj = Linear(h, i, bias=False)
-        self.down_proj = Linear(i, h, bias=False)
-        self.act = ACTIVATIONS[config.activation]
-
-    def fuse(self) -> None:
-        if self.gate_up_proj is not None:
-            return
-        fused = fuse_linears([self.gate_proj, self.up_proj])
-        if fused is not None:
-            self.gate_up_proj = fused
-            del self.gate_proj, self.up_proj
-
-    def forward(self, x: torch.Tensor, rows: RowSplit | None = None) -> torch.Tensor:
-        if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x, rows).chunk(2, dim=-1)
-        else:
-            gate, up = self.gate_proj(x, rows), self.up_proj(x, rows)
-        return self.down_proj(self.act(gate) * up, rows)
 
 
 class DecoderLayer(nn.Module):

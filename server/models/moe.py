@@ -21,38 +21,22 @@ from torch import nn
 
 from server.models.config import ModelConfig
 from server.models.linear import Linear
-from server.quant import fuse_linears
+from server.models.mlp import MLP
 from server.quant.rows import RowSplit
 
 
-class ClampedExpert(nn.Module):
-    """gpt-oss's expert: gate and up (fused into one call once loaded), the gate clamped above
-    and up on both sides at `limit`, gate * sigmoid(alpha * gate) * (up + 1), then down; every
-    projection with a bias."""
+class ClampedExpert(MLP):
+    """gpt-oss's expert: the gate clamped above and up on both sides at `limit`, then
+    gate * sigmoid(alpha * gate) * (up + 1); every projection with a bias."""
 
     def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        h, i = config.hidden_size, config.moe_intermediate_size
-        self.gate_up_proj: nn.Module | None = None  # after fuse()
-        self.gate_proj = Linear(h, i, bias=True)
-        self.up_proj = Linear(h, i, bias=True)
-        self.down_proj = Linear(i, h, bias=True)
+        super().__init__(config, config.moe_intermediate_size, bias=True)
         self.limit, self.alpha = config.swiglu_limit, config.swiglu_alpha
 
-    def fuse(self) -> None:
-        fused = fuse_linears([self.gate_proj, self.up_proj])
-        if fused is not None:
-            self.gate_up_proj = fused
-            del self.gate_proj, self.up_proj
-
-    def forward(self, x: torch.Tensor, rows: RowSplit | None = None) -> torch.Tensor:
-        if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x, rows).chunk(2, dim=-1)
-        else:
-            gate, up = self.gate_proj(x, rows), self.up_proj(x, rows)
+    def glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         gate = gate.clamp(max=self.limit)
         up = up.clamp(min=-self.limit, max=self.limit)
-        return self.down_proj((up + 1) * (gate * torch.sigmoid(gate * self.alpha)), rows)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
 
 class SparseMoE(nn.Module):
