@@ -114,7 +114,7 @@ class Engine:
         self.block_bytes, self.window_block_bytes = sizes.block_bytes, sizes.window_block_bytes
         self.config = config
         self.runner = ModelRunner(model, sizes.num_blocks, config.block_size, device, dtype,
-                                  self.kv_dtype, sizes.window_blocks)
+                                  self.kv_dtype, sizes.window_blocks, sizes.windowed)
         window = None
         if sizes.window_blocks:
             window = WindowBlocks(sizes.window_blocks, config.block_size, sizes.window,
@@ -300,8 +300,6 @@ def default_kv_cache_bytes(device) -> int:
     return max(64 << 20, min(available // 5, 4 << 30))
 
 
-
-
 def _window_stats(window: WindowBlocks | None, block_bytes: int) -> dict[str, int]:
     """The sliding-window layers' pool, for /metrics (zeros without one)."""
     if window is None:
@@ -324,6 +322,7 @@ class PoolSizes:
     window: int | None = None
     window_blocks: int = 0
     window_block_bytes: int = 0
+    windowed: tuple[int, ...] = ()  # the layers whose caches the window pool holds
 
     @staticmethod
     def plan(model_config, config: EngineConfig, max_model_len: int, kv_dtype: torch.dtype,
@@ -353,4 +352,5 @@ class PoolSizes:
             num_w = max(1, min(need_w, budget // (2 if full else 1) // window_bytes))
             num = need if not full else max(1, min(need, (budget - num_w * window_bytes)
                                                    // block_bytes))
-        return PoolSizes(num, block_bytes, cache_blocks, window, num_w, window_bytes)
+        return PoolSizes(num, block_bytes, cache_blocks, window, num_w, window_bytes,
+                         tuple(windowed))

@@ -35,16 +35,17 @@ def kv_bytes_per_block(config, block_size: int, dtype: torch.dtype,
 
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, device, dtype,
-                 kv_dtype: torch.dtype, window_blocks: int = 0) -> None:
-        """window_blocks: the size of the sliding-window layers' own pool (window_blocks.py);
-        0: every layer keeps its keys and values in the main pool."""
+                 kv_dtype: torch.dtype, window_blocks: int = 0,
+                 windowed: tuple[int, ...] = ()) -> None:
+        """window_blocks: the size of the sliding-window layers' own pool (window_blocks.py),
+        holding the caches of the `windowed` layers (engine.PoolSizes); 0: every layer keeps
+        its keys and values in the main pool."""
         self.model = model
         self.block_size = block_size
         self.device, self.dtype = device, dtype
         config = model.config
+        windowed = list(windowed) if window_blocks else []
         # Per pool (main, window), the layers whose keys and values it holds.
-        windowed = [i for i in range(config.num_layers)
-                    if window_blocks and config.layer_window(i) is not None]
         self.pool_layers = [[i for i in range(config.num_layers) if i not in windowed],
                             windowed]
         self.kv_caches = allocate_kv(model, num_blocks * block_size, device, kv_dtype,

@@ -74,6 +74,10 @@ class DecodePlan:
         self.residual_multiplier = c.residual_multiplier
         self.act = model.model.layers[0].mlp.act  # the gated MLP's activation, as the modules
         self.layers = layers
+        # a layer of each window: layers of one window keep their caches in one pool, allocated
+        # alike (allocate_kv), so one of them tells the pool's dtype and layout
+        self.pool_layers = sorted({la.window: i for i, la in reversed(list(enumerate(layers)))
+                                   }.values())
         self.ops, self.gemm_lib = layer_ops._lib(), cpu_gemm.checked()
         self.max_group_count = max([m.in_features // m.group_size for la in layers for m in (
             la.qkv, la.o, la.gate_up, la.down) if isinstance(m, Int4Linear)], default=1)
@@ -133,7 +137,8 @@ class DecodePlan:
                                             m.groups[0].context_slots, m.groups[0].lens)]
         dtype = kv_caches[0][0].dtype
         return (dtype in (torch.float32, torch.bfloat16)
-                and all(t.dtype == dtype and t.is_contiguous() for kv in kv_caches for t in kv)
+                and all(t.dtype == dtype and t.is_contiguous()
+                        for i in self.pool_layers for t in kv_caches[i])
                 and x.is_contiguous() and self.layers[0].norm1.dtype == x.dtype
                 and all(i.dtype == torch.int64 and i.is_contiguous() for i in index))
 
