@@ -204,7 +204,8 @@ def test_plain_avx2_activations_keep_a_request_the_same_however_computed(int4_we
     built for Haswell, so on every AVX2 machine): a seeded request the same however computed."""
     from server.kernels import cpu_gemm
     from server.quant.int4 import Int4Linear
-    from tests.quant.test_quant import KERNEL_KINDS, build_avx2_gemm
+    from tests.quant.conftest import KERNEL_KINDS
+    from tests.quant.test_quant import build_avx2_gemm
 
     if "avx2" not in KERNEL_KINDS:
         pytest.skip("needs AVX2, FMA and F16C")

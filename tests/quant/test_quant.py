@@ -21,6 +21,7 @@ from server.quant.int4 import (
 )
 from server.quant.int8 import Int8Embedding, Int8Linear, dequantize_int8, quantize_int8
 from server.quant.rows import tiled_linear
+from tests.quant.conftest import FLAGS, KERNEL_KINDS
 
 
 def test_pack_unpack_int4_round_trip():
@@ -140,18 +141,6 @@ def test_int4_kernel_matches_reference(rows):
     got = layer(x)
     assert got.dtype == torch.float32
     assert (got - ref).abs().max() < 0.02 * ref.abs().max()
-
-
-FLAGS = cpu_flags()
-# The kernels this CPU can run, its first pick first (an AMX machine runs avx512_gemm.c and
-# avx2_gemm.c too, so each kind it has is tested wherever CI runs).
-KERNEL_KINDS = [k for k, need in (
-    ("amx", {"avx512_bf16", "avx512bw", "amx_bf16", "amx_tile"}),
-    ("avx512_bf16", {"avx512_bf16", "avx512bw"}),
-    ("avx2", {"avx2", "fma", "f16c"})) if need <= FLAGS]
-if KERNEL_KINDS[-2:] == ["avx512_bf16", "avx2"] and cpu_vendor() == "GenuineIntel" and \
-        "avx512_vnni" in FLAGS:
-    KERNEL_KINDS[-2:] = ["avx2", "avx512_bf16"]  # Intel: the VNNI path before vdpbf16ps
 
 
 def test_our_kernels_serve_every_cpu_with_avx2_or_avx512_bf16():
@@ -517,17 +506,6 @@ def test_the_avx_vnni_path_gives_the_haswell_bits(tmp_path):
         return
     assert probe.returncode == 0, probe.stderr.decode()[-2000:]
     assert_same_bits(vex, haswell)
-
-
-@pytest.fixture(params=KERNEL_KINDS)
-def kernel_kind(request, monkeypatch):
-    """Each of our kernel libraries this CPU runs, as the one layers use."""
-    from server.kernels import cpu_gemm
-
-    lib = cpu_gemm.of_kind(request.param)
-    assert lib is not None  # built and checked on this CPU
-    monkeypatch.setattr(cpu_gemm, "_state", [lib])
-    return request.param
 
 
 @pytest.fixture(params=[*KERNEL_KINDS, "tinygemm"])
