@@ -52,30 +52,34 @@ def pull(spec: str, bits: int, store: ModelStore, force: bool = False) -> Stored
 def build(checkpoint: Checkpoint, bits: int, folder: Path, name: str, alias: str) -> None:
     """Convert a checkpoint into a store folder: weights, tokenizer files, manifest."""
     # Heavy imports stay here so `localserve list` starts fast.
-    from safetensors.torch import save_file
     from tqdm import tqdm
 
     from server.models.config import ModelConfig
     from server.quant import DEFAULT_GROUP_SIZE, quantize_state_dict
+    from storage.tensor_file import TensorFileWriter, header_room
 
     config = ModelConfig.from_hf(checkpoint.hf_config)  # refuses unsupported models early
-    tensors: dict[str, Any] = {}
     schemes: dict[str, Any] = {}
     bar = tqdm(total=checkpoint.num_tensors, desc=f"converting to {TAGS[bits]}", unit="tensor",
                file=sys.stderr, disable=None)
-    for tensor_name, w in checkpoint.tensors():
-        bar.update(1)
-        if tensor_name.startswith(BACKBONE_PREFIXES):  # a bare backbone's names (no head)
-            tensor_name = f"model.{tensor_name}"
-        if tensor_name == "lm_head.weight" and config.tie_word_embeddings:
-            continue  # tied: the embedding is the head
-        if "rotary_emb" in tensor_name:
-            continue
-        out, scheme = quantize_state_dict({tensor_name: w}, bits, DEFAULT_GROUP_SIZE)
-        tensors.update(out)
-        schemes.update(scheme)
-    bar.close()
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    # Each converted tensor goes to disk as it comes: the model is never whole in memory.
+    with TensorFileWriter(folder / "model.safetensors",
+                          header_room(checkpoint.num_tensors)) as out_file:
+        for tensor_name, w in checkpoint.tensors():
+            bar.update(1)
+            if tensor_name.startswith(BACKBONE_PREFIXES):  # a bare backbone's names (no head)
+                tensor_name = f"model.{tensor_name}"
+            if tensor_name == "lm_head.weight" and config.tie_word_embeddings:
+                continue  # tied: the embedding is the head
+            if "rotary_emb" in tensor_name:
+                continue
+            out, scheme = quantize_state_dict({tensor_name: w}, bits, DEFAULT_GROUP_SIZE)
+            for key, t in out.items():
+                out_file.add(key, t)
+            schemes.update(scheme)
+            del w, out
+        bar.close()
+        out_file.finish(metadata={"format": "pt"})
     copied = []
     for f in TOKENIZER_FILES:
         if (checkpoint.tokenizer_dir / f).is_file():

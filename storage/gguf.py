@@ -288,6 +288,16 @@ def open_reader(path: Path):
 _last_reader: dict[str, Any] = {}
 
 
+def count_tensors(reader) -> int:
+    """How many tensors iter_tensors yields: a stacked expert tensor is one per expert."""
+    count = 0
+    for t in reader.tensors:
+        m = _LAYER_RE.fullmatch(t.name)
+        count += (int(t.shape[-1]) if m and m.group(2) in _EXPERTS
+                  else t.name not in ROPE_FACTORS)
+    return count
+
+
 def iter_tensors(reader, config: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, fp32 tensor) for every tensor in the file (open_reader)."""
     import gguf

@@ -282,7 +282,7 @@ def _from_gguf(path: Path, workdir: Path, origin: dict[str, Any]) -> Checkpoint:
         reader = gguf_io.open_reader(path)
     except (gguf_io.GGUFError, ValueError, KeyError) as e:
         raise SourceError(f"cannot read GGUF {path.name}: {e}") from e
-    return Checkpoint(hf_config, tokenizer_dir, len(reader.tensors),
+    return Checkpoint(hf_config, tokenizer_dir, gguf_io.count_tensors(reader),
                       lambda: gguf_io.iter_tensors(reader, hf_config), origin)
 
 

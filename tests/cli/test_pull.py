@@ -265,17 +265,21 @@ def test_unsupported_gguf_architecture_is_named_with_what_is_supported(home, tmp
     assert ModelStore().list() == []
 
 
-def test_full_disk_one_line_error_and_nothing_left(home, llama_folder, monkeypatch, capsys):
+@pytest.mark.parametrize("when", ["add", "finish"])
+def test_full_disk_one_line_error_and_nothing_left(home, llama_folder, monkeypatch, capsys,
+                                                   when):
+    """The disk fills while converted tensors are written, or while the header is: one line,
+    and no model folder left behind."""
     import errno
 
-    import safetensors.torch
+    from storage.tensor_file import TensorFileWriter
 
     _, folder = llama_folder
 
     def disk_full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device", "model.safetensors")
 
-    monkeypatch.setattr(safetensors.torch, "save_file", disk_full)
+    monkeypatch.setattr(TensorFileWriter, when, disk_full)
     assert main(["pull", str(folder), "--bits", "4"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["localserve: error: no space left on device (model.safetensors)"]

@@ -109,6 +109,12 @@ def test_converted_gguf_pulls_as_its_folder(family, converter, tokenizer_files, 
                           "--outfile", str(gguf), "--outtype", "f32"],
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
+    from storage import gguf as gguf_io
+
+    reader = gguf_io.open_reader(gguf)  # the count the pull's progress and header room take
+    yielded = gguf_io.iter_tensors(reader, gguf_io.read_config(gguf))
+    assert gguf_io.count_tensors(reader) == sum(1 for _ in yielded)
+    del reader
     home = tmp_path / "home"
     pull_into(home, folder)
     pull_into(home, gguf)
