@@ -26,6 +26,7 @@ import json
 import os
 import re
 import shlex
+import socket
 import statistics
 import subprocess
 import sys
@@ -43,7 +44,7 @@ from storage.models import ModelStore, home_dir
 RESULTS = Path(__file__).parent / "results"
 
 
-def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 1200) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -58,8 +59,6 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
 
 
 def free_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -68,9 +67,8 @@ def free_port() -> int:
 def bench(url: str, label: str, args: argparse.Namespace, out: Path) -> dict:
     cmd = [sys.executable, "-m", "cli.main", "bench", "--url", url, "--label", label,
            "--concurrency", args.levels, "--prompt-tokens", str(args.prompt_tokens),
-           "--output-tokens", str(args.output_tokens), "--json", str(out)]
-    cmd += ["--per-client", str(args.per_client), "--temperature", str(args.temperature),
-            "--top-p", str(args.top_p)]
+           "--output-tokens", str(args.output_tokens), "--json", str(out), "--per-client",
+           str(args.per_client), "--temperature", str(args.temperature), "--top-p", str(args.top_p)]
     subprocess.run(cmd, check=True)
     return json.loads(out.read_text())
 
@@ -167,15 +165,23 @@ def serve_localserve(tag: str, tmp: Path, args, gguf: Path) -> dict:
     home.mkdir()
     (home / "models").symlink_to(home_dir() / "models")
     port = free_port()
-    env = dict(os.environ, LOCALSERVE_HOME=str(home))
-    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "serve",
-                             model_name(args.shape, tag, gguf),
-                             "--port", str(port), *args.serve_args.split()], env=env,
-                            stderr=(tmp / f"localserve-{tag}.log").open("w"))
+    return served([sys.executable, "-m", "cli.main", "serve", model_name(args.shape, tag, gguf),
+                   "--port", str(port), *args.serve_args.split()], port, f"localserve {tag}",
+                  args, tmp / f"localserve-{tag}", dict(os.environ, LOCALSERVE_HOME=str(home)))
+
+
+def served(command: list[str], port: int, label: str, args, out: Path,
+           env: dict | None = None) -> dict:
+    """The bench's report on `command`'s server, its peak RSS (VmHWM) and anonymous pages."""
+    proc = subprocess.Popen(command, env=env, stderr=out.with_suffix(".log").open("w"),
+                            stdout=subprocess.DEVNULL)
     try:
         url = f"http://127.0.0.1:{port}"
         wait_ready(url, proc)
-        return bench(url, f"localserve {tag}", args, tmp / f"localserve-{tag}.json")
+        report = bench(url, label, args, out.with_suffix(".json"))
+        kb = dict(re.findall(r"(\w+):\s+(\d+) kB", Path(f"/proc/{proc.pid}/status").read_text()))
+        return report | {"peak_rss_bytes": int(kb["VmHWM"]) << 10,
+                         "anon_bytes": int(kb["RssAnon"]) << 10}
     finally:
         proc.terminate()
         proc.wait(60)
@@ -195,18 +201,9 @@ def serve_llama(binary: str, tmp: Path, args, gguf: Path) -> dict:
     port = free_port()
     # --reasoning-format none: its text streamed as content whatever the architecture (a
     # Qwen3 GGUF's would go to reasoning_content, which the bench does not time)
-    proc = subprocess.Popen([binary, "-m", str(gguf), "-t", "2", "--parallel", str(LLAMA_SLOTS),
-                             "-c", str(llama_context(args)), "--jinja", "--reasoning-format",
-                             "none", "--port", str(port)],
-                            stderr=(tmp / "llama-server.log").open("w"),
-                            stdout=subprocess.DEVNULL)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_ready(url, proc)
-        return bench(url, "llama-server Q4_1", args, tmp / "llama.json")
-    finally:
-        proc.terminate()
-        proc.wait(60)
+    return served([binary, "-m", str(gguf), "-t", "2", "--parallel", str(LLAMA_SLOTS), "-c",
+                   str(llama_context(args)), "--jinja", "--reasoning-format", "none", "--port",
+                   str(port)], port, "llama-server Q4_1", args, tmp / "llama-server")
 
 
 def table(reports: list[dict], rounds: list[list[dict]] | None = None) -> str:
@@ -218,15 +215,17 @@ def table(reports: list[dict], rounds: list[list[dict]] | None = None) -> str:
     at = levels.index(32) if 32 in levels else len(levels) - 1
     head = "| server | " + " | ".join(f"{c} clients tok/s" for c in levels)
     head += (f" | TTFT p95 @{levels[at]} | ITL p50 @{levels[0]} | weights read per step "
-             f"| roofline @1 |")
-    rows = [head, "|" + " --- |" * (len(levels) + 5)]
+             f"| roofline @1 | peak RSS (anon) |")
+    rows = [head, "|" + " --- |" * (len(levels) + 6)]
     for r in reports:
         lv = r["levels"]
         rows.append(f"| {r['label']} | " + " | ".join(f"{x['tokens_per_s']:.0f}" for x in lv)
                     + f" | {lv[at]['ttft']['p95'] * 1000:.0f} ms | "
                     f"{(lv[0]['itl']['p50'] or 0) * 1000:.0f} ms | "
                     f"{r['weight_bytes'] / 1e6:.0f} MB | "
-                    f"{r['bandwidth'] / r['weight_bytes']:.0f} tok/s |")
+                    f"{r['bandwidth'] / r['weight_bytes']:.0f} tok/s | "
+                    + (f"{r['peak_rss_bytes'] / 1e9:.2f} GB ({r['anon_bytes'] / 1e9:.2f}) |"
+                       if "peak_rss_bytes" in r else "|"))
     per_round = [ratios(r, at) for r in rounds or [reports]]
     if all(per_round):
         cells = []
@@ -235,7 +234,7 @@ def table(reports: list[dict], rounds: list[list[dict]] | None = None) -> str:
             if len(values) > 1:
                 cell += f" ({min(values):.2f}-{max(values):.2f})"
             cells.append(cell)
-        rows.append("| int4 / llama-server | " + " | ".join(cells) + " | | | |")
+        rows.append("| int4 / llama-server | " + " | ".join(cells) + " | | | | |")
     return "\n".join(rows) + "\n"
 
 
