@@ -82,6 +82,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "min_p or repetition_penalty out gets the model's recommended value (its "
                    "generation_config.json, or the catalogue's); vllm or none: the API's "
                    "defaults (temperature 1, top_p 1)")
+    p.add_argument("--reasoning-format", default="auto",
+                   choices=("auto", "none", "think", "mistral"),
+                   help="the thinking block's tags: auto (default: from the chat template), "
+                   "none (never split off), think (<think>...</think>) or mistral "
+                   "([THINK]...[/THINK])")
+    p.add_argument("--max-reasoning-tokens", type=int, default=None, metavar="N",
+                   help="the most tokens a thinking block may take unless a request says "
+                   "(max_reasoning_tokens, thinking.budget_tokens); then the engine closes it "
+                   "and the answer follows (default: no limit)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads for the model (default: torch's, one per core)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: auto)")
@@ -114,6 +123,7 @@ FLAGS = {
     "output_per_million": ("--price-output", "price_output"),
     "batch_discount": ("--batch-discount", "batch_discount"),
     "grammar_timeout": ("--grammar-timeout", "grammar_timeout"),
+    "max_reasoning_tokens": ("--max-reasoning-tokens", "max_reasoning_tokens"),
 }
 
 
@@ -153,7 +163,9 @@ def run(args: argparse.Namespace) -> int:
             batch_window_seconds=args.batch_window,
             batch_max_running=args.batch_max_running, grammar_timeout=args.grammar_timeout,
             cors_origins=tuple(args.allow_origin or ()),
-            generation_config=args.generation_config)
+            generation_config=args.generation_config,
+            reasoning_format=args.reasoning_format,
+            max_reasoning_tokens=args.max_reasoning_tokens)
     except ConfigError as e:
         flag, value = FLAGS.get(e.field, (e.field, None))
         given = f", got {getattr(args, value)}" if value else ""

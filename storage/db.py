@@ -21,8 +21,8 @@ import sqlite_utils
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 4  # 2: batches.output_expires_after; 3: responses; 4: conversations and
-# stored chat completions
+SCHEMA_VERSION = 5  # 2: batches.output_expires_after; 3: responses; 4: conversations and
+# stored chat completions; 5: Anthropic's message threads
 
 
 class DatabaseBusyError(Exception):
@@ -152,4 +152,8 @@ class Database:
                 "completion": str, "messages": str,
             }, pk="id", if_not_exists=True)
             db["chat_completions"].create_index(["tenant", "created_at"], if_not_exists=True)
+            db["message_threads"].create({
+                "id": str, "tenant": str, "created_at": int, "conversation": str,
+                "fields": str, "continued_by": str,
+            }, pk="id", if_not_exists=True)
             db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")

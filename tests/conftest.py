@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -34,3 +38,36 @@ def tiny_home(tmp_path_factory):
                             tmp_path_factory.mktemp("hf") / "tiny")
     pull_into(home, folder)
     return home
+
+
+SDIST = "llama-cpp-python==0.3.36"
+VENDOR = "llama_cpp_python-0.3.36/vendor/llama.cpp/"
+# What the tests read of it: llama.cpp's converter (and what it imports), and the chat
+# templates of real models it keeps for its own tests
+SDIST_PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/", "models/templates/")
+
+
+@pytest.fixture(scope="session")
+def llama_cpp(real_home) -> Path:
+    """llama.cpp's folder of the llama-cpp-python sdist (SDIST_PARTS of it), fetched once."""
+    root = real_home / "llama.cpp-sdist"
+    if not (root / VENDOR / "models" / "templates").is_dir():
+        download = real_home / "sdist"
+        got = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
+                              "--no-binary", ":all:", "-d", str(download), SDIST],
+                             capture_output=True, text=True, timeout=900)
+        archives = list(download.glob("llama_cpp_python-*.tar.gz"))
+        if got.returncode or not archives:
+            pytest.skip(f"pip could not fetch the {SDIST} sdist: {got.stderr.strip()[-300:]}")
+        with tarfile.open(archives[0]) as tar:
+            members = [m for m in tar.getmembers()
+                       if any(m.name.startswith(VENDOR + part) for part in SDIST_PARTS)]
+            tar.extractall(root, members=members, filter="data")
+        shutil.rmtree(download, ignore_errors=True)
+    return root / VENDOR
+
+
+@pytest.fixture(scope="session")
+def real_template(llama_cpp):
+    """A real model's chat template, by its file's stem in llama.cpp's models/templates."""
+    return lambda stem: (llama_cpp / "models" / "templates" / f"{stem}.jinja").read_text()

@@ -28,9 +28,10 @@ def tiny_vocab(extra_merges: tuple[str, ...] = ()) -> tuple[list[str], list[str]
     return SPECIAL_TOKENS + chars + merged, merges
 
 
-def make_tokenizer(extra_merges: tuple[str, ...] = ()):
-    """A byte-level BPE fast tokenizer with a chat template (vocab 267, more with merges)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+def make_tokenizer(extra_merges: tuple[str, ...] = (), added: tuple[str, ...] = ()):
+    """A byte-level BPE fast tokenizer with a chat template (vocab 267, more with merges and
+    `added`: tokens of their own that are text, not special, as Qwen3's <think> is)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     tokens, merges = tiny_vocab(extra_merges)
@@ -40,6 +41,7 @@ def make_tokenizer(extra_merges: tuple[str, ...] = ()):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIAL_TOKENS)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
@@ -49,6 +51,8 @@ def make_tokenizer(extra_merges: tuple[str, ...] = ()):
 
 
 VOCAB_SIZE = len(tiny_vocab()[0]) + 5  # a few spare rows, as real checkpoints have
+# Qwen3's tokens of its own (text, not special): they take four of the spare rows
+QWEN3_ADDED = ("<think>", "</think>", "<tool_call>", "</tool_call>")
 
 
 def hf_config(arch: str, **overrides):

@@ -26,13 +26,17 @@ from server.api.state import ServerState
 from server.engine.sequence import PRIORITY_INTERACTIVE
 
 
-async def read_request(request: Request, parse: Callable[[dict, int], Any]
+async def read_request(request: Request, parse: Callable[[dict, int], Any],
+                       prepare: Callable[[ServerState, Any], Awaitable[Any]] | None = None
                        ) -> tuple[ServerState, Any]:
     """The server's state and the body parsed by `parse` (a 400 names the field); 503 while
-    the model loads (parsing needs its vocabulary)."""
+    the model loads (parsing needs its vocabulary). `prepare`: what the body needs from the
+    server's store before it is parsed (a thread's fields)."""
     state: ServerState = request.app.state.server
     body = await read_json(request, state.settings.max_body_bytes)
     state.ready_engine()
+    if prepare is not None:
+        body = await prepare(state, body)
     return state, parse(body, state.vocab_size)
 
 

@@ -119,6 +119,7 @@ def create_app(settings: ServerSettings, state: ServerState | None = None) -> St
 
         # left unfinished by a crash: nothing generates them any more
         await state.db.run(state.responses.fail_unfinished, background.SHUTDOWN)
+        await state.db.run(state.threads.release_unfinished)
         task = asyncio.create_task(load())
         sampler = asyncio.create_task(dashboard.sample_throughput(state))
         yield

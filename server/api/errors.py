@@ -59,8 +59,10 @@ class APIError(Exception):
         code: str | None = None,
         type: str | None = None,  # noqa: A002 - OpenAI's field name
         headers: dict[str, str] | None = None,
+        details: dict | None = None,  # Anthropic's error.details (a thread's error_code)
     ) -> None:
         super().__init__(message)
+        self.details = details
         self.status = status
         self.message = message
         self.param = param
@@ -77,7 +79,9 @@ class APIError(Exception):
         kind = _ANTHROPIC_TYPES.get(self.status, "api_error")
         message = self.message if self.param is None or self.param in self.message else \
             f"{self.param}: {self.message}"
-        return {"type": "error", "error": {"type": kind, "message": message}}
+        error = {"type": kind, "message": message}
+        return {"type": "error", "error": error | ({"details": self.details} if self.details
+                                                   else {})}
 
     def response(self, path: str = "") -> JSONResponse:
         """The error as the API of `path` writes it."""

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import re
+import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -18,6 +20,7 @@ from server.api.usage import Prices, UsageMeter
 from server.engine.async_engine import AsyncEngine
 from server.engine.engine import ConfigError, EngineConfig, at_least
 from server.engine.grammar import GrammarCompiler
+from server.models.tokenizer import REASONING_CHOICES, ReasoningFormat, reasoning_format
 from storage.batches import BatchStore, add_usage
 from storage.chat_completions import ChatCompletionStore
 from storage.conversations import ConversationStore
@@ -25,6 +28,7 @@ from storage.db import Database
 from storage.files import FileStore
 from storage.models import home_dir
 from storage.responses import ResponseStore
+from storage.threads import ThreadStore
 
 GENERATION_CONFIGS = ("auto", "vllm", "none")
 
@@ -59,12 +63,20 @@ class ServerSettings:
     # Web pages (origins) that may call the API from a browser, besides those on this machine
     # (http(s)://localhost, 127.0.0.1 or [::1], any port); "*": any page.
     cors_origins: tuple[str, ...] = ()
+    # The thinking block's tags: "auto" (from the chat template), "none" or a format's name
+    # (api/generation/reasoning.py); the most tokens a block may take (None: no limit)
+    reasoning_format: str = "auto"
+    max_reasoning_tokens: int | None = None
 
     def __post_init__(self) -> None:
         at_least(self, 1, "max_pending", "max_body_bytes", "threads", "batch_window_seconds",
                  "batch_max_running", "max_file_bytes", "max_batch_lines")
         at_least(self, 0, "drain_timeout")
         at_least(self, 0.001, "grammar_timeout")
+        at_least(self, 0, "max_reasoning_tokens")
+        if self.reasoning_format not in REASONING_CHOICES:
+            raise ConfigError("reasoning_format",
+                              f"must be one of {', '.join(REASONING_CHOICES)}")
         if self.generation_config not in GENERATION_CONFIGS:
             raise ConfigError("generation_config",
                               f"must be one of {', '.join(GENERATION_CONFIGS)}")
@@ -98,14 +110,17 @@ class ServerState:
         self.pooling: dict[str, Any] | None = None  # an embedding model's pooling
         # The model's recommended sampling where a request leaves it out (storage/sampling.py)
         self.sampling_defaults: dict[str, Any] = {}
+        self.reasoning: ReasoningFormat | None = None  # the model's thinking block's tags
         self.manifest: dict[str, Any] = {}  # the loaded model's (bits, architecture...)
-        home = settings.home or home_dir()
+        home = self.home = settings.home or home_dir()
+        self._signing_key: bytes | None = None
         self.db = Database(home / "localserve.db")
         self.files = FileStore(self.db, home / "files")
         self.batches = BatchStore(self.db, self.files)
         self.responses = ResponseStore(self.db)
         self.conversations = ConversationStore(self.db)
         self.chat_completions = ChatCompletionStore(self.db)
+        self.threads = ThreadStore(self.db)
         self.background: dict[str, Any] = {}  # background responses by id (openai/background.py)
         self.worker: Wakeable | None = None  # the BatchWorker, once the model is loaded
         self.grammars: GrammarCompiler | None = None  # once the model is loaded
@@ -154,6 +169,28 @@ class ServerState:
         self.max_request_tokens = engine.max_request_tokens
         self.grammars = GrammarCompiler(engine.tokenizer, engine.vocab_size,
                                         engine.eos_token_ids)
+        template = getattr(engine.tokenizer, "chat_template", None) or ""
+        self.reasoning = reasoning_format(template, self.settings.reasoning_format)
+
+    def signing_key(self) -> bytes:
+        """This home's secret for signing what comes back (Anthropic's thinking blocks): made
+        once, readable by its owner only."""
+        if self._signing_key is not None:
+            return self._signing_key
+        path = self.home / "signing.key"
+        if not path.is_file():
+            tmp = path.with_name(f".signing.key.{os.getpid()}")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(secrets.token_bytes(32))
+            try:
+                os.link(tmp, path)  # the first writer's key wins
+            except FileExistsError:
+                pass
+            finally:
+                tmp.unlink()
+        self._signing_key = path.read_bytes()
+        return self._signing_key
 
     def ready_engine(self) -> AsyncEngine:
         if self.engine is None:

@@ -27,16 +27,21 @@ class TokenCount:
     """A request's tokens as its chunks arrive: every choice's output so far and the cached
     prompt tokens of each prompt (reported on its first choice); the one place that counts."""
 
-    def __init__(self, num_prompt: int, predicted: bool = False) -> None:
+    def __init__(self, num_prompt: int, predicted: bool = False, thinks: bool = False) -> None:
         self.num_prompt = num_prompt
         self.output: dict[int, int] = {}  # choice -> output tokens so far
         self.cached: dict[int, int] = {}  # prompt -> cached prompt tokens
         self.predicted = predicted  # predicted outputs: report the drafts kept and dropped
         self.prediction: dict[int, tuple[int, int]] = {}  # choice -> (accepted, rejected)
+        self.thinks = thinks  # the model has a thinking block: report its tokens
+        self.num_reasoning = 0
 
-    def add(self, chunk, choice: int | None = None, prompt: int = 0) -> None:
-        """`chunk` of `choice` (default: its own index) of prompt number `prompt`."""
+    def add(self, chunk, choice: int | None = None, prompt: int = 0,
+            num_reasoning: int = 0) -> None:
+        """`chunk` of `choice` (default: its own index) of prompt number `prompt`, of whose
+        tokens `num_reasoning` were the thinking block's."""
         choice = chunk.index if choice is None else choice
+        self.num_reasoning += num_reasoning
         self.output[choice] = chunk.num_output_tokens
         self.prediction[choice] = (chunk.num_accepted_prediction, chunk.num_rejected_prediction)
         if chunk.index == 0:
@@ -52,9 +57,9 @@ class TokenCount:
 
     def usage(self) -> dict[str, Any]:
         out = usage(self.num_prompt, self.num_output, self.num_cached)
-        if self.predicted:
+        if self.predicted or self.thinks:
             out["completion_tokens_details"] = {
-                "reasoning_tokens": 0, "audio_tokens": 0,
+                "reasoning_tokens": self.num_reasoning, "audio_tokens": 0,
                 "accepted_prediction_tokens": sum(a for a, _ in self.prediction.values()),
                 "rejected_prediction_tokens": sum(r for _, r in self.prediction.values())}
         return out

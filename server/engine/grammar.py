@@ -160,6 +160,14 @@ class GrammarCompiler:
         self.cache_size = cache_size
         self.num_compiled = 0
 
+    def is_special(self, token_id: int) -> bool:
+        """llguidance sees the token as special (a grammar names it `<[id]>`, never by its
+        text): the tokenizer's added tokens, such as Qwen3's <think>."""
+        with self._lock:
+            if self._tokenizer is None:
+                self._tokenizer = _llg_tokenizer(*self._source)
+            return self._tokenizer.is_special_token(token_id)
+
     def compile(self, grammar: str) -> Grammar:
         """The compiled grammar for `grammar` (llguidance's text), or GrammarError."""
         key = hashlib.sha256(grammar.encode()).hexdigest()

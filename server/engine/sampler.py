@@ -79,6 +79,7 @@ class Sampler:
             greedy = token_ids[rows]
             token_ids[rows] = torch.where(empty, greedy, picked.to(greedy.device))
 
+        _force_closing_tags(token_ids, seqs)
         if raw_logprobs is None:
             return SampleResult(token_ids, None, None, None)
         return SampleResult(token_ids, *token_logprobs(raw_logprobs, token_ids, max_top))
@@ -89,6 +90,8 @@ class Sampler:
         states = []
         self.grammar_masks.wait()
         for seq, token in zip(seqs, token_ids, strict=True):
+            if seq.thinking is not None:
+                seq.thinking.accept(token)
             if seq.grammar is not None:
                 seq.grammar.accept(token)
                 if not seq.grammar.is_finished:
@@ -173,6 +176,16 @@ class Sampler:
                                                                     device=logits.device)[:, None]
             logits = logits.masked_fill(probs < floor, float("-inf"))
         return logits
+
+
+def _force_closing_tags(token_ids: torch.Tensor, seqs: list[Sequence]) -> None:
+    """Sequences whose thinking budget is spent write their block's closing tag instead
+    (thinking.py; such a sequence never drafts: scheduler._draft_all)."""
+    for i, seq in enumerate(seqs):
+        if seq.thinking is not None:
+            token = seq.thinking.forced()
+            if token is not None:
+                token_ids[i] = token
 
 
 def _output_places(seqs: list[Sequence]) -> list[int]:

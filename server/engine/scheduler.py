@@ -291,8 +291,9 @@ class Scheduler:
                                                   strict=True)):
             p = seq.params
             if (budget <= 0 or n != 1 or not samples or not p.prediction or seq.grammar is not None
-                    or p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0):
-                continue  # a grammar or penalties would need each draft's own history
+                    or seq.thinking is not None or p.presence_penalty or p.frequency_penalty
+                    or p.repetition_penalty != 1.0):
+                continue  # a grammar, a budget or penalties would need each draft's history
             limit = min(seq.draft_limit, budget, p.max_tokens - seq.num_output_tokens - 1,
                         self.max_model_len - seq.num_tokens - 1)
             drafts = speculation.propose(seq, limit)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from server.engine.grammar import Grammar, GrammarState
+    from server.engine.thinking import ThinkingBudget, ThinkingState
 
 
 class SequenceStatus(enum.IntEnum):
@@ -66,6 +67,8 @@ class SamplingParams:
     grammar: Grammar | None = None  # constrained decoding: every choice follows it
     # Predicted outputs: the reply's expected tokens, checked several a step (speculation.py)
     prediction: tuple[int, ...] = ()
+    # A reasoning block's budget: its closing tag is written when it is spent (thinking.py)
+    thinking: ThinkingBudget | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -123,6 +126,7 @@ class Sequence:
     prompt_logprobs: list = field(default_factory=list)
     # Its place in params.grammar: advanced once per sampled token, so it survives preemption.
     grammar: GrammarState | None = None
+    thinking: ThinkingState | None = None  # its place in params.thinking, advanced alike
     pooling: Pooling | None = None  # an embedding request: prefill only, then pooled
     embedding: list[float] | None = None  # its vector, once the prompt is computed
     internal: bool = False  # the engine's own work (recache.py): no request, not counted
@@ -141,6 +145,8 @@ class Sequence:
         self.num_prompt_tokens = self.num_prompt_tokens or len(self.token_ids)
         if self.params.grammar is not None and self.grammar is None:
             self.grammar = self.params.grammar.start()
+        if self.params.thinking is not None and self.thinking is None:
+            self.thinking = self.params.thinking.begin()
 
     @property
     def num_tokens(self) -> int:

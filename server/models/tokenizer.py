@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -59,14 +60,15 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, Any]], tokenize: bool = False,
                             add_generation_prompt: bool = False,
-                            tools: list[dict[str, Any]] | None = None) -> str | list[int]:
+                            tools: list[dict[str, Any]] | None = None,
+                            **template_kwargs: Any) -> str | list[int]:
         if not self.chat_template:
             raise ValueError("this model has no chat template: use /v1/completions")
         if self._compiled is None or self._compiled[0] != self.chat_template:
             self._compiled = (self.chat_template, compile_chat_template(self.chat_template))
-        text = self._compiled[1].render(messages=messages, tools=tools, documents=None,
-                                        add_generation_prompt=add_generation_prompt,
-                                        **self.special_tokens)
+        text = self._compiled[1].render(**(template_kwargs | dict(
+            messages=messages, tools=tools, documents=None,
+            add_generation_prompt=add_generation_prompt, **self.special_tokens)))
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
 
@@ -120,13 +122,15 @@ def load_tokenizer(stored: StoredModel) -> Any:
 
 def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]],
                     tools: list[dict[str, Any]] | None = None,
-                    continue_final: bool = False) -> list[int]:
-    """Token ids of `messages` (and `tools`, for templates that render them) through the
-    model's chat template, ready for the reply; with `continue_final`, ready to continue the
-    final message's text instead (the template's text after it, its end of turn, cut off, as
-    transformers' continue_final_message does). ValueError if the template does not show that
-    text as given."""
-    kw = {"tools": tools} if tools else {}
+                    continue_final: bool = False,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """Token ids of `messages` (and `tools`, for templates that render them; `template_kwargs`,
+    the template's own variables such as enable_thinking) through the model's chat template,
+    ready for the reply; with `continue_final`, ready to continue the final message's text
+    instead (the template's text after it, its end of turn, cut off, as transformers'
+    continue_final_message does). ValueError if the template does not show that text as
+    given."""
+    kw = dict(template_kwargs or {}) | ({"tools": tools} if tools else {})
     if not continue_final:
         text = tokenizer.apply_chat_template(messages, tokenize=False,
                                              add_generation_prompt=True, **kw)
@@ -139,6 +143,31 @@ def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]],
         raise ValueError("the chat template does not show the final message's text as given, "
                          "so it cannot be continued")
     return tokenizer.encode(text[:end + len(final)], add_special_tokens=False)
+
+
+@dataclass(frozen=True, slots=True)
+class ReasoningFormat:
+    """The tags of a chat template family's thinking block (api/generation/reasoning.py)."""
+
+    name: str
+    start: str
+    end: str
+
+
+REASONING_FORMATS = {"think": ReasoningFormat("think", "<think>", "</think>"),
+                     "mistral": ReasoningFormat("mistral", "[THINK]", "[/THINK]")}
+REASONING_CHOICES = ("auto", "none", *REASONING_FORMATS)  # serve --reasoning-format
+
+
+def reasoning_format(template: str, choice: str = "auto") -> ReasoningFormat | None:
+    """The thinking block of a chat template: the format whose two tags it writes, or the one
+    `choice` names (none: no block)."""
+    if choice != "auto":
+        return REASONING_FORMATS.get(choice)
+    for fmt in REASONING_FORMATS.values():
+        if fmt.start in template and fmt.end in template:
+            return fmt
+    return None
 
 
 def byte_to_unicode() -> dict[int, str]:

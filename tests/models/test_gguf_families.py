@@ -12,7 +12,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tarfile
 from pathlib import Path
 
 import pytest
@@ -24,9 +23,6 @@ from storage.models import ModelStore
 from tests.helpers import hf_model, pull_into
 
 pytestmark = pytest.mark.real_model  # the real smollm2-135m's tokenizer
-SDIST = "llama-cpp-python==0.3.36"
-VENDOR = "llama_cpp_python-0.3.36/vendor/llama.cpp/"
-PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
 FAMILIES = {"llama": {}, "mistral": {}, "granite": {}, "qwen2": {}, "qwen3": {}, "phi3": {},
             # llama.cpp leaves rotary out of every fourth layer, as SmolLM3 does
             "smollm3": {"num_hidden_layers": 4, "no_rope_layer_interval": 4},
@@ -61,25 +57,10 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 
 @pytest.fixture(scope="session")
-def converter(real_home) -> Path:
-    """convert_hf_to_gguf.py and what it imports, from the sdist (downloaded once)."""
+def converter(llama_cpp) -> Path:
+    """convert_hf_to_gguf.py, from the sdist."""
     import sentencepiece  # noqa: F401 - the converter imports it (the test extras install it)
-    root = real_home / "llama.cpp-converter"
-    script = root / VENDOR / PARTS[0]
-    if not script.is_file():
-        download = real_home / "sdist"
-        got = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
-                              "--no-binary", ":all:", "-d", str(download), SDIST],
-                             capture_output=True, text=True, timeout=900)
-        archives = list(download.glob("llama_cpp_python-*.tar.gz"))
-        if got.returncode or not archives:
-            pytest.skip(f"pip could not fetch the {SDIST} sdist: {got.stderr.strip()[-300:]}")
-        with tarfile.open(archives[0]) as tar:
-            members = [m for m in tar.getmembers()
-                       if any(m.name.startswith(VENDOR + part) for part in PARTS)]
-            tar.extractall(root, members=members, filter="data")
-        shutil.rmtree(download, ignore_errors=True)
-    return script
+    return llama_cpp / "convert_hf_to_gguf.py"
 
 
 @pytest.fixture(scope="session")

@@ -46,6 +46,6 @@ def test_a_version_3_database_gains_the_conversations_table(tmp_path):
         store = ConversationStore(db)
         db.call(store.create, "alice", "conv_1", {}, [])
         assert db.call(store.get, "alice", "conv_1")[1] == []
-        assert db.call(lambda: db.db.execute("pragma user_version").fetchone()[0]) == 4
+        assert db.call(lambda: db.db.execute("pragma user_version").fetchone()[0]) == 5
     finally:
         db.close()

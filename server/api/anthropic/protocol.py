@@ -15,12 +15,18 @@ from typing import Any
 from server.api.errors import invalid, unsupported
 from server.api.fields import Fields
 from server.api.generation.protocol import MAX_STOP, ChatRequest, left_out
+from server.api.generation.reasoning import Thinking
 from server.api.generation.structured import NAME
 from server.api.generation.tools import EMPTY_PARAMETERS, Tool, ToolUse
 from server.engine.sequence import SamplingParams
 
 UNKNOWN = "{}: Extra inputs are not permitted"
 IGNORED_BLOCK_KEYS = ("cache_control", "citations")  # prefix caching is automatic
+# An assistant message's thinking blocks as sent back: [(thinking, signature, field)], for the
+# route to check (and remove) before the message reaches the template
+SIGNED = "_signed_thinking"
+# What a thread keeps from the turn that created it: a turn that continues it leaves them out
+THREAD_FIELDS = ("system", "tools")
 
 
 def parse_messages_request(body: dict[str, Any], vocab_size: int, count_only: bool = False
@@ -32,13 +38,15 @@ def parse_messages_request(body: dict[str, Any], vocab_size: int, count_only: bo
     tool_use = _tools(f.raw("tools"), f.raw("tool_choice"))
     output_schema = _output_config(f.raw("output_config"))
     continue_final = _prefill(messages)
-    budget = _thinking(f.raw("thinking"))
+    thinking = _thinking(f.raw("thinking"))
+    thread = _thread(f.raw("thread"), {k: f.raw(k) for k in THREAD_FIELDS})
+    budget = thinking.budget
     _settings(f)
     if count_only:
         f.check_unknown(UNKNOWN)
         return ChatRequest(model=model, params=SamplingParams(), max_tokens=None,
                            messages=messages, output_schema=output_schema, tool_use=tool_use,
-                           continue_final=continue_final)
+                           continue_final=continue_final, thinking=thinking, thread=thread)
     max_tokens = f.int("max_tokens", lo=1)
     if max_tokens is None:
         raise invalid("max_tokens", "max_tokens: Field required")
@@ -61,7 +69,7 @@ def parse_messages_request(body: dict[str, Any], vocab_size: int, count_only: bo
     return ChatRequest(model=model, params=params, max_tokens=max_tokens, stream=stream,
                        user=user if isinstance(user, str) else None, messages=messages,
                        output_schema=output_schema, tool_use=tool_use,
-                       continue_final=continue_final,
+                       continue_final=continue_final, thinking=thinking, thread=thread,
                        left_out=left_out(f, ("temperature", "top_p", "top_k")))
 
 
@@ -158,7 +166,7 @@ def _user_turn(blocks: list[Any], where: str) -> list[dict[str, Any]]:
 
 
 def _assistant_turn(blocks: list[Any], where: str) -> dict[str, Any]:
-    texts, calls = [], []
+    texts, calls, thoughts = [], [], []
     for j, b in enumerate(blocks):
         w = f"{where}.content.{j}"
         kind = _block_type(b, w)
@@ -173,26 +181,49 @@ def _assistant_turn(blocks: list[Any], where: str) -> dict[str, Any]:
             calls.append({"id": b["id"], "type": "function", "function": {
                 "name": b["name"], "arguments": json.dumps(b.get("input", {}),
                                                            ensure_ascii=False)}})
-        elif kind in ("thinking", "redacted_thinking"):  # dropped, as Anthropic drops them
+        elif kind in ("thinking", "redacted_thinking"):
             keys = ("thinking", "signature") if kind == "thinking" else ("data",)
             _only(b, ("type", *keys), w)
             for key in keys:
                 if not isinstance(b.get(key), str):
                     raise invalid(f"{w}.{key}", f"{w}.{key}: Input should be a valid string")
+            if kind == "thinking":  # checked by the route (messages.py), then the template's
+                thoughts.append((b["thinking"], b["signature"], f"{w}.signature"))
+            # redacted_thinking is dropped, as Anthropic drops it
         else:
             raise unsupported(f"{w}.type", f"content blocks of type {kind!r}")
     message: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
     if calls:
         message["tool_calls"] = calls
+    if thoughts:
+        message["reasoning_content"] = "".join(t for t, _, _ in thoughts)
+        message[SIGNED] = thoughts
     return message
 
 
-def _thinking(v: Any) -> int | None:
-    """`thinking`, checked as Anthropic checks it; the budget of "enabled" (None: none). The
-    models localserve serves do not think, so a reply never holds thinking blocks: "adaptive"
-    leaves it to the model (which does not), "enabled" bounds what it would think."""
+def _thread(v: Any, fields: dict[str, Any]) -> tuple[str, str | None, dict[str, Any]] | None:
+    """`thread` (beta): {"type": "create"}, or {"type": "continue", "previous_message_id"};
+    with the fields the thread keeps (THREAD_FIELDS, as sent)."""
     if v is None:
         return None
+    if not isinstance(v, dict) or v.get("type") not in ("create", "continue"):
+        raise invalid("thread.type", "thread.type: Input should be 'create' or 'continue'")
+    if v["type"] == "create":
+        _only(v, ("type",), "thread")
+        return "create", None, fields
+    _only(v, ("type", "previous_message_id"), "thread")
+    previous = v.get("previous_message_id")
+    if not isinstance(previous, str) or not previous:
+        raise invalid("thread.previous_message_id", "thread.previous_message_id: Field "
+                      "required")
+    return "continue", previous, fields
+
+
+def _thinking(v: Any) -> Thinking:
+    """`thinking`, checked as Anthropic checks it: "enabled" (with its budget), "disabled",
+    "adaptive" (the model's own choice; so is leaving it out)."""
+    if v is None:
+        return Thinking()
     kinds = ("enabled", "disabled", "adaptive", "between_tools")
     if not isinstance(v, dict) or v.get("type") not in kinds:
         raise invalid("thinking.type", f"thinking.type: Input should be one of "
@@ -202,13 +233,16 @@ def _thinking(v: Any) -> int | None:
     if v.get("display") not in (None, "summarized", "omitted"):
         raise invalid("thinking.display", "thinking.display: Input should be 'summarized' or "
                       "'omitted'")
+    omitted = v.get("display") == "omitted"
+    if v["type"] == "disabled":
+        return Thinking(enabled=False)
     if v["type"] != "enabled":
-        return None
+        return Thinking(omitted=omitted)
     budget = v.get("budget_tokens")
     if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1024:
         raise invalid("thinking.budget_tokens", "thinking.budget_tokens: Input should be an "
                       "integer greater than or equal to 1024")
-    return budget
+    return Thinking(enabled=True, budget=budget, omitted=omitted)
 
 
 def _document(b: dict[str, Any], where: str) -> str:

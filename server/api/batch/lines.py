@@ -12,6 +12,7 @@ from typing import Any
 from server.api.admission import admit
 from server.api.anthropic.messages import start_message
 from server.api.anthropic.protocol import parse_messages_request
+from server.api.errors import unsupported
 from server.api.generation.protocol import parse_chat, parse_completion
 from server.api.openai.chat import start_chat
 from server.api.openai.completions import start_completion
@@ -20,6 +21,15 @@ from server.api.openai.responses import parse_response_line, start_response
 from server.api.state import ServerState
 from server.engine.sequence import PRIORITY_BATCH
 from storage.batches import MESSAGES
+
+
+def parse_message_line(body: dict[str, Any], vocab_size: int) -> Any:
+    """A Message Batch line: a Messages body, each line a whole conversation (no thread)."""
+    req = parse_messages_request(body, vocab_size)
+    if req.thread is not None:
+        raise unsupported("thread", "threads in a Message Batch: each line sends its whole "
+                          "conversation")
+    return req
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +46,7 @@ ENDPOINTS = {
     "/v1/completions": LineEndpoint(parse_completion, start_completion),
     "/v1/embeddings": LineEndpoint(parse_embeddings, start_embeddings, generates=False),
     "/v1/responses": LineEndpoint(parse_response_line, start_response),
-    MESSAGES: LineEndpoint(parse_messages_request, start_message),
+    MESSAGES: LineEndpoint(parse_message_line, start_message),
 }
 
 

@@ -54,6 +54,9 @@ def parse_messages(v: Any) -> list[dict[str, Any]]:
                                    "content": content}
         if calls:
             message["tool_calls"] = calls
+        reasoning = _reasoning(m, where) if role == "assistant" else None
+        if reasoning:
+            message["reasoning_content"] = reasoning
         if role == "function":  # the result of the deprecated `function_call` before it
             if not isinstance(m.get("name"), str):
                 raise invalid(f"{where}.name", f"Missing required parameter: '{where}.name'.")
@@ -73,8 +76,26 @@ MESSAGE_FIELDS = {
     "user": ("role", "content", "name"), "tool": ("role", "content", "tool_call_id"),
     "function": ("role", "content", "name"),
     "assistant": ("role", "content", "name", "refusal", "tool_calls", "audio",
-                  "function_call"),
+                  "function_call", "reasoning_content", "reasoning"),
 }
+
+
+def _reasoning(m: dict[str, Any], where: str) -> str | None:
+    """An assistant turn's reasoning sent back, under either name (llama-server and SGLang
+    write `reasoning_content`, vLLM and Ollama `reasoning`): the template decides whether it
+    is shown to the model again."""
+    values = {}
+    for key in ("reasoning_content", "reasoning"):
+        v = m.get(key)
+        if v is not None and not isinstance(v, str):
+            raise invalid(f"{where}.{key}", f"Invalid type for '{where}.{key}': expected a "
+                          "string.")
+        if v:
+            values[key] = v
+    if len(set(values.values())) > 1:
+        raise invalid(f"{where}.reasoning", f"'{where}.reasoning_content' and "
+                      f"'{where}.reasoning' differ: send one.")
+    return next(iter(values.values()), None)
 
 
 def _tool_calls(v: Any, where: str, role: str) -> list[dict[str, Any]]:

@@ -12,6 +12,7 @@ from typing import Any
 from server.api.errors import invalid, unsupported
 from server.api.fields import Fields, parse_metadata
 from server.api.generation.messages import parse_messages
+from server.api.generation.reasoning import Thinking, parse_thinking
 from server.api.generation.structured import parse_response_format
 from server.api.generation.tools import ToolUse, parse_functions, parse_tools
 from server.engine.sequence import SamplingParams
@@ -55,6 +56,10 @@ class ChatRequest(GenerateRequest):
     prediction: str | None = None  # predicted outputs: the reply's expected text
     store: bool = False  # kept for GET /v1/chat/completions (stored_completions.py)
     metadata: dict[str, str] | None = None  # stored with it, to filter the list by
+    thinking: Thinking = field(default_factory=Thinking)  # how much the model may think
+    # Anthropic's message threads: ("create" or "continue", the previous message's id, the
+    # fields the thread keeps)
+    thread: tuple[str, str | None, dict[str, Any]] | None = None
 
 
 @dataclass(slots=True)
@@ -174,7 +179,7 @@ def parse_chat(body: dict[str, Any], vocab_size: int) -> ChatRequest:
     f.refuse("modalities", (None, ["text"]))
     prediction = _prediction(f.raw("prediction"), kw, tool_use)
     f.refuse("web_search_options")
-    f.refuse("reasoning_effort")
+    thinking = chat_thinking(f)
     f.refuse("verbosity")
     store = f.bool("store")
     f.refuse("moderation")
@@ -184,7 +189,14 @@ def parse_chat(body: dict[str, Any], vocab_size: int) -> ChatRequest:
     params = SamplingParams(logprobs=logprobs, top_logprobs=top or 0, **kw)
     return ChatRequest(params=params, max_tokens=max_tokens, messages=messages,
                        output_schema=output, tool_use=tool_use, continue_final=continue_final,
-                       prediction=prediction, store=store, metadata=metadata, **other)
+                       prediction=prediction, store=store, metadata=metadata,
+                       thinking=thinking, **other)
+
+
+def chat_thinking(f: Fields) -> Thinking:
+    """reasoning_effort, chat_template_kwargs, Ollama's think, max_reasoning_tokens."""
+    return parse_thinking(f.raw("reasoning_effort"), f.raw("chat_template_kwargs"),
+                          f.raw("think"), f.raw("max_reasoning_tokens"))
 
 
 def _prediction(v: Any, kw: dict[str, Any], tool_use: ToolUse | None) -> str | None:

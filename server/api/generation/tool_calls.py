@@ -245,6 +245,17 @@ def openai_deltas(pieces: list[CallDelta]) -> list[dict]:
     return out
 
 
+def whole_calls(pieces: list[CallDelta]) -> list[Call]:
+    """The calls that pieces streamed, each whole."""
+    calls: list[Call] = []
+    for p in pieces:
+        if p.id is not None:
+            calls.append(Call(p.id, p.name or "", p.arguments))
+        else:
+            calls[p.index].arguments += p.arguments
+    return calls
+
+
 def openai_calls(calls: list[Call]) -> list[dict]:
     """A message's `tool_calls`."""
     return [{"id": c.id, "type": "function",

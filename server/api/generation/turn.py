@@ -21,13 +21,16 @@ from server.api.generation.pipeline import (
     with_model_defaults,
 )
 from server.api.generation.protocol import ChatRequest
+from server.api.generation.reasoning import ReasoningFormat, ReasoningParser, opened_by
+from server.api.generation.reasoning import with_reasoning as grammar_after_reasoning
 from server.api.generation.structured import compile_grammar, schema_grammar
 from server.api.generation.tool_calls import CallDelta, ToolCallParser, open_tag_start
 from server.api.generation.tools import CALL_OPEN, tool_grammar, tool_messages
 from server.api.state import ServerState
 from server.api.wire import new_id
-from server.engine.grammar import Grammar, GrammarError, lark_grammar
+from server.engine.grammar import Grammar, GrammarError, lark_grammar, lark_json
 from server.engine.output import CompletionChunk
+from server.engine.thinking import ThinkingBudget
 from server.models.tokenizer import chat_prompt_ids
 
 
@@ -39,6 +42,8 @@ class Turn:
     num_prompt_tokens: int
     chunks: AsyncIterator[CompletionChunk]
     calls_tools: bool  # tools are offered: the text is parsed for calls
+    reasoning: ReasoningFormat | None = None  # the thinking block split off the answer
+    opened: bool = False  # the prompt opened the block: the output starts in it
 
 
 @dataclass(slots=True)
@@ -51,6 +56,8 @@ class Piece:
     content: str = ""
     calls: list[CallDelta] = field(default_factory=list)
     finish_reason: str | None = None
+    reasoning: str = ""  # text of the thinking block
+    num_reasoning_tokens: int = 0  # of the chunk's tokens, those of the block (its tags too)
 
 
 async def start_turn(state: ServerState, req: ChatRequest, salt: str, priority: int,
@@ -68,7 +75,15 @@ async def start_turn(state: ServerState, req: ChatRequest, salt: str, priority: 
     prefill = req.messages[-1]["content"] if req.continue_final else ""
     if calls_tools and _opens_a_call(prefill):
         raise unsupported(param, "a final assistant message (prefill) with tool-call markup")
-    grammar, where = _grammar_text(req, schema_param)
+    fmt = None if req.continue_final else state.reasoning  # a prefill goes on as it is
+    block = fmt and await off_loop(_block_state, state, prompt_ids, fmt)
+    opened, enabled = block is True, req.thinking.enabled and block is not None
+    thinks = fmt is not None and (opened or enabled)
+    budget = _budget(state, fmt, opened, enabled, req.thinking.budget)
+    if budget is not None:
+        params = replace(params, thinking=budget)
+    tags = await off_loop(_tag_tokens, state, fmt) if thinks else (None, None)
+    grammar, where = _grammar_text(req, schema_param, fmt if thinks else None, opened, tags)
     if grammar is not None:
         compiled = await compile_grammar(state, grammar, where)
         if prefill:  # the reply goes on from it: so does the grammar
@@ -77,7 +92,37 @@ async def start_turn(state: ServerState, req: ChatRequest, salt: str, priority: 
         params = replace(params, grammar=compiled)
     rid = request_id or new_id("chatcmpl")
     chunks = stream_engine(state, prompt_ids, params, rid, salt, priority)
-    return Turn(rid, len(prompt_ids), chunks, calls_tools)
+    return Turn(rid, len(prompt_ids), chunks, calls_tools, fmt, opened)
+
+
+def _tag_tokens(state: ServerState, fmt: ReasoningFormat) -> tuple[str | None, str | None]:
+    """The block's tags as a grammar names them: `<[id]>` where a tag is one special token
+    (to llguidance), None where it is text."""
+    def named(tag: str) -> str | None:
+        ids = state.tokenizer.encode(tag, False)
+        special = len(ids) == 1 and state.grammars.is_special(ids[0])
+        return f"<[{ids[0]}]>" if special else None
+    return named(fmt.start), named(fmt.end)
+
+
+def _block_state(state: ServerState, prompt_ids: list[int], fmt: ReasoningFormat
+                 ) -> bool | None:
+    return opened_by(fmt, state.tokenizer.decode(prompt_ids[-16:]))
+
+
+def _budget(state: ServerState, fmt: ReasoningFormat | None, opened: bool, enabled: bool,
+            asked: int | None) -> ThinkingBudget | None:
+    """The engine's thinking budget: the request's (`asked`), else the server's; none where
+    thinking is off, so that a block the model opens anyway closes at once."""
+    if fmt is None:
+        return None
+    budget = 0 if not enabled else (
+        asked if asked is not None else state.settings.max_reasoning_tokens)
+    if budget is None:
+        return None
+    encode = state.tokenizer.encode
+    return ThinkingBudget(tuple(encode(fmt.start, False)), tuple(encode(fmt.end, False)),
+                          budget, opened)
 
 
 def _opens_a_call(text: str) -> bool:
@@ -105,24 +150,34 @@ async def prompt_token_ids(state: ServerState, req: ChatRequest, param: str) -> 
     template = getattr(state.tokenizer, "chat_template", None) or ""
     messages, tools = tool_messages(req.messages, req.tool_use, template)
     return await off_loop(_prompt_ids, state.tokenizer, messages, tools, param,
-                          req.continue_final)
+                          req.continue_final, req.thinking.render_kwargs())
 
 
 async def pieces(turn: Turn) -> AsyncIterator[Piece]:
-    """The engine's chunks as content and call pieces, each choice parsed on its own."""
+    """The engine's chunks as reasoning, content and call pieces, each choice parsed on its
+    own: the thinking block first (where the model has one), calls in the rest."""
+    thinking: dict[int, ReasoningParser] = {}
     parsers: dict[int, ToolCallParser] = {}
     async for chunk in turn.chunks:
+        finish, reasoning, content, num_reasoning = chunk.finish_reason, "", chunk.text, 0
+        if turn.reasoning is not None:
+            split = thinking.setdefault(chunk.index, ReasoningParser(turn.reasoning, turn.opened))
+            reasoning, content = split.feed(chunk.text)
+            if finish is not None:
+                more, rest = split.finish()
+                reasoning, content = reasoning + more, content + rest
+            num_reasoning = len(chunk.token_ids) if split.touched else 0
         if not turn.calls_tools:
-            yield Piece(chunk, chunk.text, [], chunk.finish_reason)
+            yield Piece(chunk, content, [], finish, reasoning, num_reasoning)
             continue
         parser = parsers.setdefault(chunk.index, ToolCallParser())
-        parsed = parser.feed(chunk.text)
-        content, calls, finish = parsed.content, parsed.calls, chunk.finish_reason
+        parsed = parser.feed(content)
+        content, calls = parsed.content, parsed.calls
         if finish is not None:
             rest = parser.finish()
             content, calls = content + rest.content, calls + rest.calls
             finish = finish_with_calls(finish, parser)
-        yield Piece(chunk, content, calls, finish)
+        yield Piece(chunk, content, calls, finish, reasoning, num_reasoning)
 
 
 def finish_with_calls(reason: str | None, parser: ToolCallParser) -> str | None:
@@ -130,20 +185,30 @@ def finish_with_calls(reason: str | None, parser: ToolCallParser) -> str | None:
     return "tool_calls" if reason == "stop" and parser.calls else reason
 
 
-def _grammar_text(req: ChatRequest, schema_param: str) -> tuple[str | None, str]:
-    """The grammar the answer follows (llguidance's text) and the field it comes from."""
+def _grammar_text(req: ChatRequest, schema_param: str, thinking: ReasoningFormat | None,
+                  opened: bool, tags: tuple[str | None, str | None]) -> tuple[str | None, str]:
+    """The grammar the answer follows (llguidance's text) and the field it comes from; after
+    the thinking block where the model thinks (`thinking`: its format)."""
     if req.tool_use is not None and req.tool_use.is_active:
         field = "functions" if req.tool_use.legacy else "tools"
-        return lark_grammar(tool_grammar(req.tool_use, req.output_schema)), field
-    if req.output_schema is not None:
-        return schema_grammar(req.output_schema, schema_param), schema_param
-    return None, ""
+        lark = tool_grammar(req.tool_use, req.output_schema)
+    elif req.output_schema is not None:
+        field = schema_param
+        if thinking is None:
+            return schema_grammar(req.output_schema, schema_param), schema_param
+        lark = f"start: {lark_json(req.output_schema)}"
+    else:
+        return None, ""
+    if lark is not None and thinking is not None:
+        lark = grammar_after_reasoning(lark, thinking, opened, tags)
+    return (lark_grammar(lark) if lark is not None else None), field
 
 
 def _prompt_ids(tokenizer: Any, messages: list[dict[str, Any]], tools, param: str,
-                continue_final: bool = False) -> list[int]:
+                continue_final: bool = False, kwargs: dict[str, Any] | None = None
+                ) -> list[int]:
     try:
-        return chat_prompt_ids(tokenizer, messages, tools, continue_final)
+        return chat_prompt_ids(tokenizer, messages, tools, continue_final, kwargs)
     except Exception as e:  # noqa: BLE001 - a template that refuses these messages
         from jinja2 import TemplateError
 

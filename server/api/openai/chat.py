@@ -19,8 +19,8 @@ from server.api.admission import Admission, admit, read_request
 from server.api.auth import tenant
 from server.api.generation.protocol import ChatRequest, parse_chat
 from server.api.generation.token_text import TokenText
-from server.api.generation.tool_calls import Parsed, ToolCallParser, openai_calls, openai_deltas
-from server.api.generation.turn import Turn, finish_with_calls, pieces, start_turn
+from server.api.generation.tool_calls import CallDelta, openai_calls, openai_deltas, whole_calls
+from server.api.generation.turn import Piece, Turn, pieces, start_turn
 from server.api.state import ServerState
 from server.api.usage import TokenCount
 from server.engine.output import CompletionChunk
@@ -53,7 +53,8 @@ class ChatRun:
     def __init__(self, state: ServerState, req: ChatRequest, turn: Turn, owner: str) -> None:
         self.state, self.req, self.turn, self.owner = state, req, turn, owner
         self.rid = turn.request_id
-        self.count = TokenCount(turn.num_prompt_tokens, req.prediction is not None)
+        self.count = TokenCount(turn.num_prompt_tokens, req.prediction is not None,
+                                turn.reasoning is not None)
         self.token_text = TokenText(state.tokenizer)
         self.created = int(time.time())
         self.calls_tools = turn.calls_tools
@@ -66,9 +67,9 @@ class ChatRun:
 
     async def collect(self) -> dict[str, Any]:
         written = _Written(self.req.params.n)
-        async for chunk in self.turn.chunks:
-            self.count.add(chunk)
-            written.add(chunk, _logprobs(self.token_text, chunk))
+        async for piece in pieces(self.turn):
+            self.count.add(piece.chunk, num_reasoning=piece.num_reasoning_tokens)
+            written.add(piece, _logprobs(self.token_text, piece.chunk))
         return await self._answered(written)
 
     async def _answered(self, written: _Written) -> dict[str, Any]:
@@ -76,23 +77,23 @@ class ChatRun:
         with_logprobs = self.req.params.logprobs
         choices = []
         for i in range(self.req.params.n):
-            message = {"role": "assistant", "content": "".join(written.texts[i]),
-                       "refusal": None}
-            finish = written.finish[i]
+            content = "".join(written.texts[i])
+            message = {"role": "assistant", "content": content, "refusal": None}
+            reasoning = "".join(written.reasoning[i])
+            if reasoning:  # both names: clients read one or the other
+                message |= {"reasoning_content": reasoning, "reasoning": reasoning}
+            calls = whole_calls(written.calls[i])
             if self.calls_tools:
-                parser = ToolCallParser()
-                content = parser.feed(message["content"]).content + parser.finish().content
-                message["content"] = content or (None if parser.calls else "")
-                if parser.calls and self.legacy:
-                    message["function_call"] = openai_calls(parser.calls)[0]["function"]
-                elif parser.calls:
-                    message["tool_calls"] = openai_calls(parser.calls)
-                finish = self._finish(finish_with_calls(finish, parser))
+                message["content"] = content or (None if calls else "")
+            if calls and self.legacy:
+                message["function_call"] = openai_calls(calls)[0]["function"]
+            elif calls:
+                message["tool_calls"] = openai_calls(calls)
             choices.append({
                 "index": i, "message": message,
                 "logprobs": {"content": written.logprobs[i], "refusal": None}
                 if with_logprobs else None,
-                "finish_reason": finish})
+                "finish_reason": self._finish(written.finish[i])})
         completion = self._object("chat.completion", choices) | {"usage": self.count.usage()}
         if self.req.store:
             await self.state.db.run(self.state.chat_completions.put, self.owner, completion,
@@ -114,14 +115,11 @@ class ChatRun:
         written = _Written(self.req.params.n) if self.req.store else None  # to be stored
         async for piece in pieces(self.turn):
             chunk = piece.chunk
-            self.count.add(chunk)
+            self.count.add(chunk, num_reasoning=piece.num_reasoning_tokens)
             lp = _logprobs(self.token_text, chunk)
             if written is not None:
-                written.add(chunk, lp)
-            if not self.calls_tools:
-                delta = {"content": chunk.text} if chunk.text or lp is not None else None
-            else:
-                delta = _delta(Parsed(piece.content, piece.calls), lp is not None, self.legacy)
+                written.add(piece, lp)
+            delta = _delta(piece, lp is not None, self.legacy)
             if delta is not None:
                 yield event(chunk.index, delta, logprobs=lp)
             if piece.finish_reason is not None:
@@ -136,29 +134,37 @@ class ChatRun:
 
 
 class _Written:
-    """What each of a request's choices wrote: the engine's text, logprobs, finish reason."""
+    """What each of a request's choices wrote: content, reasoning, calls, logprobs, finish."""
 
     def __init__(self, n: int) -> None:
         self.texts: list[list[str]] = [[] for _ in range(n)]
+        self.reasoning: list[list[str]] = [[] for _ in range(n)]
+        self.calls: list[list[CallDelta]] = [[] for _ in range(n)]
         self.logprobs: list[list[dict[str, Any]]] = [[] for _ in range(n)]
         self.finish: list[str | None] = [None] * n
 
-    def add(self, chunk: CompletionChunk, logprobs: dict[str, Any] | None) -> None:
-        self.texts[chunk.index].append(chunk.text)
+    def add(self, piece: Piece, logprobs: dict[str, Any] | None) -> None:
+        i = piece.chunk.index
+        self.texts[i].append(piece.content)
+        self.reasoning[i].append(piece.reasoning)
+        self.calls[i] += piece.calls
         if logprobs is not None:
-            self.logprobs[chunk.index] += logprobs["content"]
-        if chunk.finish_reason is not None:
-            self.finish[chunk.index] = chunk.finish_reason
+            self.logprobs[i] += logprobs["content"]
+        if piece.finish_reason is not None:
+            self.finish[i] = piece.finish_reason
 
 
-def _delta(parsed: Parsed, has_logprobs: bool, legacy: bool) -> dict[str, Any] | None:
-    """A stream event's delta: content and call pieces (None: nothing to send); `legacy`: the
-    one call's pieces as `function_call` ({name, arguments} first, then arguments)."""
+def _delta(piece: Piece, has_logprobs: bool, legacy: bool) -> dict[str, Any] | None:
+    """A stream event's delta: reasoning, content and call pieces (None: nothing to send);
+    `legacy`: the one call's pieces as `function_call` ({name, arguments} first, then
+    arguments)."""
     delta: dict[str, Any] = {}
-    if parsed.content or (has_logprobs and not parsed.calls):
-        delta["content"] = parsed.content
-    if parsed.calls and legacy:
-        delta["function_call"] = openai_deltas(parsed.calls)[0]["function"]
-    elif parsed.calls:
-        delta["tool_calls"] = openai_deltas(parsed.calls)
+    if piece.reasoning:
+        delta |= {"reasoning_content": piece.reasoning, "reasoning": piece.reasoning}
+    if piece.content or (has_logprobs and not piece.calls and not piece.reasoning):
+        delta["content"] = piece.content
+    if piece.calls and legacy:
+        delta["function_call"] = openai_deltas(piece.calls)[0]["function"]
+    elif piece.calls:
+        delta["tool_calls"] = openai_deltas(piece.calls)
     return delta or None

@@ -12,7 +12,7 @@ from typing import Any
 from server.api.generation.token_text import TokenText
 from server.api.generation.turn import Turn, pieces
 from server.api.openai import conversations
-from server.api.openai.responses_protocol import ResponsesRequest
+from server.api.openai.responses_protocol import ResponsesRequest, reasoning_item
 from server.api.state import ServerState
 from server.api.usage import TokenCount
 
@@ -44,6 +44,20 @@ class _Output:
         self._open["content"][0]["logprobs"] += logprobs
         events.append({"type": "response.output_text.delta", **self._where(),
                        "content_index": 0, "delta": delta, "logprobs": logprobs})
+        return events
+
+    def reasoning(self, delta: str) -> list[dict[str, Any]]:
+        """Thinking text: it goes to the open reasoning item (a new one after anything else)."""
+        events = []
+        if self._open is None or self._open["type"] != "reasoning":
+            events += self.close()
+            self._open = reasoning_item(f"rs_{uuid.uuid4().hex}", "", "in_progress")
+            events.append(self._added())
+            events.append({"type": "response.content_part.added", **self._where(),
+                           "content_index": 0, "part": dict(self._open["content"][0])})
+        self._open["content"][0]["text"] += delta
+        events.append({"type": "response.reasoning_text.delta", **self._where(),
+                       "content_index": 0, "delta": delta})
         return events
 
     def is_writing_text(self) -> bool:
@@ -78,6 +92,12 @@ class _Output:
                         "text": part["text"], "logprobs": list(part["logprobs"])},
                        {"type": "response.content_part.done", **where, "content_index": 0,
                         "part": dict(part, logprobs=list(part["logprobs"]))}]
+        elif item["type"] == "reasoning":
+            part = item["content"][0]
+            events += [{"type": "response.reasoning_text.done", **where, "content_index": 0,
+                        "text": part["text"]},
+                       {"type": "response.content_part.done", **where, "content_index": 0,
+                        "part": dict(part)}]
         else:
             events.append({"type": "response.function_call_arguments.done", **where,
                            "name": item["name"], "arguments": item["arguments"]})
@@ -108,7 +128,7 @@ class ResponseRun:
                  conversation: list[dict[str, Any]], owner: str) -> None:
         self.state, self.req, self.turn = state, req, turn
         self.conversation, self.owner = conversation, owner
-        self.count = TokenCount(turn.num_prompt_tokens)
+        self.count = TokenCount(turn.num_prompt_tokens, thinks=turn.reasoning is not None)
         self.created_at = int(time.time())
         self.token_text = TokenText(state.tokenizer)
 
@@ -119,7 +139,7 @@ class ResponseRun:
         usage = {"input_tokens": c.num_prompt,
                  "input_tokens_details": {"cached_tokens": c.num_cached},
                  "output_tokens": c.num_output,
-                 "output_tokens_details": {"reasoning_tokens": 0},
+                 "output_tokens_details": {"reasoning_tokens": c.num_reasoning},
                  "total_tokens": c.num_prompt + c.num_output} if done else None
         return {"id": self.turn.request_id, "object": "response",
                 "created_at": self.created_at, "status": status, "error": error,
@@ -137,9 +157,9 @@ class ResponseRun:
         # but a call's own
         pending: list[dict[str, Any]] = []
         async for piece in pieces(self.turn):
-            self.count.add(piece.chunk)
+            self.count.add(piece.chunk, num_reasoning=piece.num_reasoning_tokens)
             pending += self.token_text.entries(piece.chunk.logprobs or [])
-            events = []
+            events = out.reasoning(piece.reasoning) if piece.reasoning else []
             if piece.content:
                 events, pending = out.text(piece.content, pending), []
             if piece.calls:
@@ -187,8 +207,13 @@ class ResponseRun:
 
 def _assistant_message(items: list[dict[str, Any]]) -> dict[str, Any]:
     """The output as the chat message that continues the conversation."""
-    text = "".join(p["text"] for i in items if i["type"] == "message" for p in i["content"])
+    def text(kind: str) -> str:
+        return "".join(p["text"] for i in items if i["type"] == kind for p in i["content"])
+
     calls = [{"id": i["call_id"], "type": "function",
               "function": {"name": i["name"], "arguments": i["arguments"]}}
              for i in items if i["type"] == "function_call"]
-    return {"role": "assistant", "content": text} | ({"tool_calls": calls} if calls else {})
+    reasoning = text("reasoning")
+    return ({"role": "assistant", "content": text("message")}
+            | ({"reasoning_content": reasoning} if reasoning else {})
+            | ({"tool_calls": calls} if calls else {}))

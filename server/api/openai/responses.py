@@ -52,6 +52,14 @@ def parse_response_line(body: dict[str, Any], vocab_size: int) -> ResponsesReque
     return req
 
 
+async def compact(request: Request) -> Response:
+    """POST /v1/responses/compact: OpenAI's compaction of a conversation into an opaque item.
+    Not served: a clear 404, not the 405 of the `{response_id}` routes beside it."""
+    raise APIError(404, "POST /v1/responses/compact (conversation compaction) is not supported "
+                   "by localserve: send the conversation, or previous_response_id, as it is.",
+                   code="unsupported_route")
+
+
 async def count_input_tokens(request: Request) -> Response:
     """POST /v1/responses/input_tokens: the input tokens a response to this body would take
     (instructions, previous_response_id's conversation and tools included), without running

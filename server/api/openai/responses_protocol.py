@@ -16,6 +16,7 @@ from typing import Any
 from server.api.errors import APIError, invalid, unsupported
 from server.api.fields import Fields
 from server.api.generation.protocol import MAX_TOP_LOGPROBS, ChatRequest, cache_hints, left_out
+from server.api.generation.reasoning import Thinking, parse_thinking
 from server.api.generation.structured import parse_response_format
 from server.api.generation.tools import parse_tools
 from server.engine.sequence import SamplingParams
@@ -97,7 +98,7 @@ def parse_responses_request(body: dict[str, Any], vocab_size: int) -> ResponsesR
     if background and not store:
         raise invalid("background", "A background response is stored: 'background' needs "
                       "'store' true.")
-    f.refuse("reasoning", (None,), "reasoning settings")
+    thinking = _reasoning(f.raw("reasoning"))
     f.refuse("prompt", (None,), "prompt templates")
     # calls to built-in tools, which localserve has none of: any bound holds (as on OpenAI
     # with function tools only)
@@ -110,7 +111,8 @@ def parse_responses_request(body: dict[str, Any], vocab_size: int) -> ResponsesR
     f.check_unknown()
     chat = ChatRequest(model=model, params=params, max_tokens=max_tokens, stream=stream,
                        user=user, messages=messages, output_schema=output_schema,
-                       tool_use=tool_use, left_out=left_out(f, ("temperature", "top_p")))
+                       tool_use=tool_use, left_out=left_out(f, ("temperature", "top_p")),
+                       thinking=thinking)
     echo = {"instructions": instructions, "max_output_tokens": max_tokens,
             "metadata": metadata or {}, "parallel_tool_calls": parallel is not False,
             "previous_response_id": previous, "store": store, "background": background,
@@ -118,7 +120,7 @@ def parse_responses_request(body: dict[str, Any], vocab_size: int) -> ResponsesR
             "max_tool_calls": max_tool_calls,
             "temperature": params.temperature, "top_p": params.top_p,
             "text": text_echo, "tool_choice": choice if choice is not None else "auto",
-            "top_logprobs": top,
+            "top_logprobs": top, "reasoning": {"effort": thinking.effort, "summary": None},
             "tools": raw_tools or [], "truncation": truncation or "disabled", "user": user}
     return ResponsesRequest(chat, instructions, previous, store, truncation == "auto",
                             background, conversation, echo)
@@ -130,6 +132,21 @@ LOGPROBS = "message.output_text.logprobs"
 INCLUDABLE = (LOGPROBS, "reasoning.encrypted_content", "message.input_image.image_url",
               "file_search_call.results", "web_search_call.action.sources",
               "code_interpreter_call.outputs", "computer_call_output.output.image_url")
+
+
+def _reasoning(v: Any) -> Thinking:
+    """`reasoning`: {effort, summary}; effort "none" turns thinking off. Summaries are not
+    written (a reasoning item's `summary` stays empty), so asking for one changes nothing."""
+    if v is None:
+        return Thinking()
+    if not isinstance(v, dict):
+        raise invalid("reasoning", "Invalid type for 'reasoning': expected an object.")
+    _keys(v, ("effort", "summary", "generate_summary"), "reasoning")
+    for key in ("summary", "generate_summary"):
+        if v.get(key) not in (None, "auto", "concise", "detailed"):
+            raise invalid(f"reasoning.{key}", f"Invalid value for 'reasoning.{key}': "
+                          f"{v[key]!r}. Supported values are: 'auto', 'concise', 'detailed'.")
+    return parse_thinking(v.get("effort"), None, None, None, "reasoning.effort")
 
 
 def _include(v: Any) -> set[str]:
@@ -158,7 +175,16 @@ def input_messages(v: Any, name: str) -> list[dict[str, Any]]:
             raise invalid(where, f"Invalid type for '{where}': expected an object.")
         kind = item.get("type", "message")
         if kind == "message":
-            out.append(_message(item, where))
+            message = _message(item, where)
+            last = out[-1] if out else {}
+            if (message["role"] == "assistant" and last.get("reasoning_content")
+                    and not last["content"] and not last.get("tool_calls")):
+                last["content"] = message["content"]  # the answer after its reasoning
+            else:
+                out.append(message)
+        elif kind == "reasoning":
+            out.append({"role": "assistant", "content": "",
+                        "reasoning_content": _reasoning_text(item, where)})
         elif kind == "function_call":
             call = _function_call(item, where)
             if out and out[-1]["role"] == "assistant":
@@ -188,7 +214,9 @@ def message_items(message: dict[str, Any], key: str) -> list[dict[str, Any]]:
                  "call_id": message["tool_call_id"], "output": message["content"],
                  "status": "completed"}]
     items = []
-    if message["content"] or not message.get("tool_calls"):
+    if message.get("reasoning_content"):
+        items.append(reasoning_item(f"rs_{key}", message["reasoning_content"]))
+    if message["content"] or not (message.get("tool_calls") or items):
         kind = "output_text" if role == "assistant" else "input_text"
         items.append({"id": f"msg_{key}", "type": "message", "role": role,
                       "status": "completed",
@@ -198,6 +226,13 @@ def message_items(message: dict[str, Any], key: str) -> list[dict[str, Any]]:
                "name": c["function"]["name"], "arguments": c["function"]["arguments"],
                "status": "completed"} for j, c in enumerate(message.get("tool_calls", []))]
     return items
+
+
+def reasoning_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    """A `reasoning` output item: the thinking text as its content, no summary."""
+    return {"id": item_id, "type": "reasoning", "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}], "encrypted_content": None,
+            "status": status}
 
 
 def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
@@ -230,6 +265,15 @@ def _parts(v: Any, where: str, kinds: tuple[str, ...]) -> str:
             raise invalid(f"{p}.text", f"Invalid type for '{p}.text': expected a string.")
         texts.append(value)
     return "\n".join(texts)
+
+
+def _reasoning_text(item: dict[str, Any], where: str) -> str:
+    """A reasoning item sent back: its text (content), else its summary's."""
+    _keys(item, ("type", "id", "summary", "content", "encrypted_content", "status"), where)
+    for key, kinds in (("content", ("reasoning_text",)), ("summary", ("summary_text",))):
+        if item.get(key):
+            return _parts(item[key], f"{where}.{key}", kinds)
+    return ""
 
 
 def _function_call(item: dict[str, Any], where: str) -> dict[str, Any]:

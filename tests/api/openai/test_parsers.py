@@ -49,7 +49,9 @@ def test_function_tools_are_flat_in_the_responses_api():
     ({"input": "hi", "stream_options": {"include_obfuscation": False}}, "stream_options"),
     ({"input": "hi", "truncation": "sometimes"}, "truncation"),
     ({"input": "hi", "background": True, "store": False}, "background"),
-    ({"input": "hi", "reasoning": {"effort": "high"}}, "reasoning"),
+    ({"input": "hi", "reasoning": {"effort": "huge"}}, "reasoning.effort"),
+    ({"input": "hi", "reasoning": {"summary": "long"}}, "reasoning.summary"),
+    ({"input": "hi", "reasoning": {"effort": "low", "budget": 3}}, "reasoning.budget"),
     ({"input": "hi", "temperature": 3}, "temperature"),
     ({"input": "hi", "frobnicate": 1}, "frobnicate"),
 ])

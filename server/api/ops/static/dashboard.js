@@ -225,6 +225,8 @@ async function sendChat() {
   $("send").disabled = true;
   $("stop").disabled = false;
   $("answer").textContent = "";
+  $("reasoning").textContent = "";
+  $("thinking").hidden = true;
   text("chat-stats", "waiting for the first token…");
   const started = performance.now();
   let first = null, tokens = 0, finish = null;
@@ -258,10 +260,14 @@ async function sendChat() {
         if (chunk.error) throw new Error(chunk.error.message);
         if (chunk.usage) tokens = chunk.usage.completion_tokens;
         for (const choice of chunk.choices || []) {
-          if (choice.delta && choice.delta.content) {
+          const delta = choice.delta || {};
+          // a thinking model's reasoning comes first, folded above the answer
+          for (const [key, at] of [["reasoning_content", "reasoning"], ["content", "answer"]]) {
+            if (!delta[key]) continue;
             if (first === null) first = performance.now();
             tokens += 1;
-            $("answer").textContent += choice.delta.content;
+            $(at).textContent += delta[key];
+            if (at === "reasoning") $("thinking").hidden = false;
           }
           if (choice.finish_reason) finish = choice.finish_reason;
         }

@@ -1,0 +1,102 @@
+"""Anthropic's message threads: the store's line of claims, the refusals the SDK recovers from,
+and the SDK's own tool runner (which threads by default) looping against the server."""
+
+from __future__ import annotations
+
+import sqlite3
+
+import httpx
+import pytest
+
+from storage.db import Database
+from storage.threads import ThreadError, ThreadStore
+from tests.api.conftest import API_KEY, MODEL
+
+WEATHER = {"name": "get_weather", "description": "The weather in a city.",
+           "input_schema": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}},
+                            "required": ["city"]}}  # bounded: the random model's call ends
+
+
+def test_a_message_is_continued_once(tmp_path):
+    db = Database(tmp_path / "localserve.db")
+    store = ThreadStore(db)
+    try:
+        turn = [{"role": "user", "content": "Hi"}]
+        db.call(store.put, "alice", "msg_1", turn)
+        with pytest.raises(ThreadError, match="thread_not_found"):
+            db.call(store.claim, "bob", "msg_1", "msg_2")  # another tenant's
+        assert db.call(store.claim, "alice", "msg_1", "msg_2") == turn
+        with pytest.raises(ThreadError, match="thread_continue_in_flight"):
+            db.call(store.claim, "alice", "msg_1", "msg_3")
+        db.call(store.release, "msg_1", "msg_2")  # msg_2 failed
+        assert db.call(store.claim, "alice", "msg_1", "msg_3") == turn
+        db.call(store.put, "alice", "msg_3", turn * 2)
+        with pytest.raises(ThreadError, match="thread_already_continued"):
+            db.call(store.claim, "alice", "msg_1", "msg_4")
+        assert db.call(store.claim, "alice", "msg_3", "msg_5") == turn * 2
+        assert db.call(store.release_unfinished) == 1  # msg_5 never came (a crash)
+        assert db.call(store.claim, "alice", "msg_3", "msg_6") == turn * 2
+    finally:
+        db.close()
+
+
+def post(server, body: dict) -> httpx.Response:
+    return httpx.post(f"{server.url}/v1/messages", json=body, timeout=60,
+                      headers={"x-api-key": API_KEY, "anthropic-version": "2023-06-01"})
+
+
+def test_a_continued_thread_answers_as_the_whole_conversation(server):
+    """A turn that continues a thread sends only its new messages: its prompt is the whole
+    conversation's, and its answer the one the whole conversation gets."""
+    first = post(server, {"model": MODEL, "max_tokens": 5, "temperature": 0,
+                          "thread": {"type": "create"},
+                          "messages": [{"role": "user", "content": "Count to three."}]})
+    assert first.status_code == 200, first.text
+    reply = first.json()
+    more = {"role": "user", "content": "And on to five?"}
+    threaded = post(server, {"model": MODEL, "max_tokens": 5, "temperature": 0,
+                             "thread": {"type": "continue", "previous_message_id": reply["id"]},
+                             "messages": [more]})
+    assert threaded.status_code == 200, threaded.text
+    whole = post(server, {"model": MODEL, "max_tokens": 5, "temperature": 0, "messages": [
+        {"role": "user", "content": "Count to three."},
+        {"role": "assistant", "content": reply["content"]}, more]})
+    assert threaded.json()["content"] == whole.json()["content"]
+    assert threaded.json()["usage"] == whole.json()["usage"] | {
+        "cache_read_input_tokens": threaded.json()["usage"]["cache_read_input_tokens"],
+        "input_tokens": threaded.json()["usage"]["input_tokens"]}
+    again = post(server, {"model": MODEL, "max_tokens": 5, "thread": {
+        "type": "continue", "previous_message_id": reply["id"]}, "messages": [more]})
+    assert again.status_code == 409
+    assert again.json()["error"]["details"] == {"error_code": "thread_already_continued"}
+    lost = post(server, {"model": MODEL, "max_tokens": 5, "thread": {
+        "type": "continue", "previous_message_id": "msg_nope"}, "messages": [more]})
+    assert lost.status_code == 404
+    assert lost.json()["error"]["details"] == {"error_code": "thread_not_found"}
+    bad = post(server, {"model": MODEL, "max_tokens": 5, "thread": {"type": "resume"},
+                        "messages": [more]})
+    assert bad.status_code == 400 and "thread.type" in bad.json()["error"]["message"]
+
+
+def test_the_sdk_tool_runner_loops_on_a_thread(server):
+    from anthropic import Anthropic, beta_tool
+
+    calls = []
+
+    @beta_tool(input_schema=WEATHER["input_schema"])
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        calls.append(city)
+        return f"Sunny in {city}."
+
+    with Anthropic(base_url=server.url, api_key=API_KEY, max_retries=0, timeout=60) as c:
+        runner = c.beta.messages.tool_runner(
+            model=MODEL, max_tokens=120, tools=[get_weather], max_iterations=3,
+            tool_choice={"type": "tool", "name": "get_weather"},
+            messages=[{"role": "user", "content": "What is the weather in Paris?"}])
+        replies = list(runner)
+    assert len(replies) == 3 and len(calls) == 3  # each turn called the tool (it must)
+    assert all(r.content[-1].type == "tool_use" for r in replies)
+    with sqlite3.connect(server.home / "localserve.db") as db:  # the turns went on a thread
+        chain = dict(db.execute("select id, continued_by from message_threads"))
+    assert chain[replies[0].id] == replies[1].id and chain[replies[1].id] == replies[2].id
