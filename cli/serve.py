@@ -19,6 +19,9 @@ from dataclasses import replace
 
 import uvicorn
 
+from server.api.generation.tool_formats import CHOICES as TOOL_FORMATS
+from server.models.tokenizer import REASONING_CHOICES
+
 DEFAULT_MODEL = "smollm2-135m"
 log = logging.getLogger("localserve")
 
@@ -83,10 +86,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "generation_config.json, or the catalogue's); vllm or none: the API's "
                    "defaults (temperature 1, top_p 1)")
     p.add_argument("--reasoning-format", default="auto",
-                   choices=("auto", "none", "think", "mistral"),
+                   choices=REASONING_CHOICES,
                    help="the thinking block's tags: auto (default: from the chat template), "
                    "none (never split off), think (<think>...</think>) or mistral "
                    "([THINK]...[/THINK])")
+    p.add_argument("--tool-format", default="auto",
+                   choices=TOOL_FORMATS,
+                   help="how the model writes tool calls: auto (default: from the chat "
+                   "template), or a family's format")
     p.add_argument("--max-reasoning-tokens", type=int, default=None, metavar="N",
                    help="the most tokens a thinking block may take unless a request says "
                    "(max_reasoning_tokens, thinking.budget_tokens); then the engine closes it "
@@ -165,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
             cors_origins=tuple(args.allow_origin or ()),
             generation_config=args.generation_config,
             reasoning_format=args.reasoning_format,
-            max_reasoning_tokens=args.max_reasoning_tokens)
+            max_reasoning_tokens=args.max_reasoning_tokens, tool_format=args.tool_format)
     except ConfigError as e:
         flag, value = FLAGS.get(e.field, (e.field, None))
         given = f", got {getattr(args, value)}" if value else ""

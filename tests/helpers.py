@@ -28,9 +28,11 @@ def tiny_vocab(extra_merges: tuple[str, ...] = ()) -> tuple[list[str], list[str]
     return SPECIAL_TOKENS + chars + merged, merges
 
 
-def make_tokenizer(extra_merges: tuple[str, ...] = (), added: tuple[str, ...] = ()):
-    """A byte-level BPE fast tokenizer with a chat template (vocab 267, more with merges and
-    `added`: tokens of their own that are text, not special, as Qwen3's <think> is)."""
+def make_tokenizer(extra_merges: tuple[str, ...] = (), added: tuple[str, ...] = (),
+                   special: tuple[str, ...] = ()):
+    """A byte-level BPE fast tokenizer with a chat template (vocab 267, more with merges,
+    `added`: tokens of their own that are text, not special, as Qwen3's <think> is, and
+    `special`: control tokens decoding drops, as Mistral's [TOOL_CALLS] is)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -42,6 +44,7 @@ def make_tokenizer(extra_merges: tuple[str, ...] = (), added: tuple[str, ...] = 
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIAL_TOKENS)
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
         pad_token="<|endoftext|>",

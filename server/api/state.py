@@ -67,6 +67,9 @@ class ServerSettings:
     # (api/generation/reasoning.py); the most tokens a block may take (None: no limit)
     reasoning_format: str = "auto"
     max_reasoning_tokens: int | None = None
+    # How tool calls are written: "auto" (from the chat template) or a format's name
+    # (api/generation/tool_formats.py; the CLI checks the name)
+    tool_format: str = "auto"
 
     def __post_init__(self) -> None:
         at_least(self, 1, "max_pending", "max_body_bytes", "threads", "batch_window_seconds",

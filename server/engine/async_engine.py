@@ -80,9 +80,10 @@ class AsyncEngine:
                            eos_token_ids=self.eos_token_ids)
             seq.leader = seqs[0] if seqs else None
             seqs.append(seq)
-        req = _Request(request_id, seqs,
-                       [IncrementalDetokenizer(self.tokenizer, params.stop) for _ in seqs],
-                       asyncio.get_running_loop(), asyncio.Queue())
+        detokenizers = [IncrementalDetokenizer(self.tokenizer, params.stop,
+                                               shown=params.shown_special) for _ in seqs]
+        req = _Request(request_id, seqs, detokenizers, asyncio.get_running_loop(),
+                       asyncio.Queue())
         for seq in seqs:  # refuse synchronously: too-large requests never reach the thread
             self.engine.scheduler.check(seq)
         self._inbox.put(("add", req))

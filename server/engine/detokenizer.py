@@ -12,10 +12,12 @@ from typing import Any
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Any, stop: tuple[str, ...] = (), skip_special_tokens=True):
+    def __init__(self, tokenizer: Any, stop: tuple[str, ...] = (), skip_special_tokens=True,
+                 shown: tuple[int, ...] = ()):
         self.tokenizer = tokenizer
         self.stop = tuple(s for s in stop if s)
         self.skip_special_tokens = skip_special_tokens
+        self.shown = frozenset(shown)  # special tokens written out all the same (tool markup)
         self.token_ids: list[int] = []
         self.prefix_offset = 0  # window start: a few tokens of context for the decoder
         self.read_offset = 0  # tokens already turned into text
@@ -24,7 +26,16 @@ class IncrementalDetokenizer:
         self.stopped_by: str | None = None
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        if not self.shown.intersection(ids):
+            return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        parts, run = [], []
+        for token_id in ids:  # the runs between shown tokens, and each shown token's text
+            if token_id in self.shown:
+                parts += [self._decode(run), self.tokenizer.decode([token_id])]
+                run = []
+            else:
+                run.append(token_id)
+        return "".join(parts) + self._decode(run)
 
     def add(self, token_id: int) -> str:
         """Feed one token; returns the text that is now safe to emit (maybe "")."""

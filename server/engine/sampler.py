@@ -50,6 +50,7 @@ class Sampler:
             raw_logprobs = torch.log_softmax(logits, dim=-1)  # OpenAI reports the model's own
         self._apply_bias_and_penalties(logits, seqs)
         constrained = [i for i, s in enumerate(seqs) if s.grammar is not None]
+        allowed = None
         if constrained:
             allowed = self.grammar_masks.masks([seqs[i].grammar for i in constrained])
             rows = torch.tensor(constrained, device=logits.device)
@@ -79,7 +80,7 @@ class Sampler:
             greedy = token_ids[rows]
             token_ids[rows] = torch.where(empty, greedy, picked.to(greedy.device))
 
-        _force_closing_tags(token_ids, seqs)
+        _force_closing_tags(token_ids, seqs, constrained, allowed)
         if raw_logprobs is None:
             return SampleResult(token_ids, None, None, None)
         return SampleResult(token_ids, *token_logprobs(raw_logprobs, token_ids, max_top))
@@ -178,14 +179,20 @@ class Sampler:
         return logits
 
 
-def _force_closing_tags(token_ids: torch.Tensor, seqs: list[Sequence]) -> None:
+def _force_closing_tags(token_ids: torch.Tensor, seqs: list[Sequence], constrained: list[int],
+                        allowed: torch.Tensor | None) -> None:
     """Sequences whose thinking budget is spent write their block's closing tag instead
-    (thinking.py; such a sequence never drafts: scheduler._draft_all)."""
+    (thinking.py; such a sequence never drafts: scheduler._draft_all), once their grammar
+    allows it: not inside a character whose bytes span tokens, which the tag cannot follow."""
     for i, seq in enumerate(seqs):
         if seq.thinking is not None:
             token = seq.thinking.forced()
-            if token is not None:
-                token_ids[i] = token
+            if token is None:
+                continue
+            if allowed is not None and i in constrained and not allowed[
+                    constrained.index(i), token]:
+                continue  # the model finishes the character first
+            token_ids[i] = token
 
 
 def _output_places(seqs: list[Sequence]) -> list[int]:

@@ -69,6 +69,8 @@ class SamplingParams:
     prediction: tuple[int, ...] = ()
     # A reasoning block's budget: its closing tag is written when it is spent (thinking.py)
     thinking: ThinkingBudget | None = None
+    # Special tokens the output's text shows all the same (a tool format's markup)
+    shown_special: tuple[int, ...] = ()
 
     @property
     def is_greedy(self) -> bool:

@@ -23,7 +23,7 @@ from server.api.anthropic.threads import Thread, open_thread, reply_message, thr
 from server.api.auth import tenant
 from server.api.generation.protocol import ChatRequest
 from server.api.generation.tool_calls import CallDelta, whole_calls
-from server.api.generation.tools import parsed_arguments
+from server.api.generation.tool_formats import parsed_arguments
 from server.api.generation.turn import Piece, Turn, count_prompt_tokens, pieces, start_turn
 from server.api.state import ServerState
 from server.api.usage import TokenCount

@@ -1,26 +1,30 @@
 """The model's text split into content and tool calls, incrementally, for streams and whole
 answers alike (a whole answer is the stream fed at once, so both give the same calls).
 
-Inside `<tool_call>...</tool_call>` the body is one call object or a list of them. A call that
-starts `{"name": "...", "arguments":` (what the grammar makes the model write) streams: its id
-and name as soon as the name is complete, then its arguments text as it comes, scanned
-character by character so the end of the arguments is found whatever the chunking. A body in
-any other shape (keys in another order, "parameters" for "arguments") waits for the closing
-tag and is read with json; a body that is not JSON at all stays content, so nothing is lost.
+A block of calls is the format's (tool_formats.py): `<tool_call>...</tool_call>` by default, or
+`[TOOL_CALLS]` to the end of the reply, or a reply that is a bare call object... Its body is one
+call object or a list of them. A call that starts `{"name": "...", "arguments":` (what the
+grammar makes the model write; "parameters" where the format says so) streams: its id and name
+as soon as the name is complete, then its arguments text as it comes, scanned character by
+character so the end of the arguments is found whatever the chunking. A body in any other shape
+(keys in another order) waits for the block's end and is read with json; a body that is not
+JSON at all stays content, so nothing is lost.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from server.api.generation.tools import CALL_CLOSE, CALL_OPEN
+from server.api.generation.tool_formats import HERMES, ToolFormat
 
-# A call's start: first in the tag, first of a list, or the next one of a list.
-HEAD = re.compile(r'\s*(?:[\[,]\s*)?\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:')
+
+def _head(args_key: str) -> re.Pattern:
+    """A call's start: first in the block, first of a list, or the next one of a list."""
+    return re.compile(r'\s*(?:[\[,;]\s*)?\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"'
+                      + args_key + r'"\s*:')
 
 
 @dataclass(slots=True)
@@ -49,7 +53,10 @@ class Parsed:
 
 
 class ToolCallParser:
-    def __init__(self) -> None:
+    def __init__(self, fmt: ToolFormat = HERMES) -> None:
+        self.fmt = fmt
+        self._head_re = _head(fmt.args_key)
+        self._at_start = fmt.bare  # a bare call may still open the reply
         self.calls: list[Call] = []
         self._text = ""  # not yet decided
         self._in_tag = False
@@ -58,6 +65,7 @@ class ToolCallParser:
         self._body = ""  # the tag's text so far (for the json fallback)
         self._streamed = False  # this tag's calls stream (the grammar's shape)
         self._gap = ""  # the blanks before the open tag
+        self._opening = ""  # the open tag as written ("" for a bare call)
 
     def feed(self, text: str) -> Parsed:
         out = Parsed()
@@ -67,12 +75,16 @@ class ToolCallParser:
         return out
 
     def finish(self) -> Parsed:
-        """The end of the output: whatever was held back."""
+        """The end of the output: whatever was held back (a block that ends with the reply
+        ends here)."""
         out = self.feed("")
         if self._in_tag and not self._streamed:
             body = self._body + self._text
-            if body.strip() and not body.lstrip().startswith(("{", "[")):  # never a call
-                out.content += self._gap + CALL_OPEN + body  # the text as written
+            calls = _read_calls(body) if self.fmt.close is None else None
+            if calls:
+                self._add(out, calls)
+            elif body.strip() and not body.lstrip().startswith(("{", "[")):  # never a call
+                out.content += self._gap + self._opening + body  # the text as written
             # else a call cut (max_tokens, a stop) before its name: no call, and no markup
         elif not self._in_tag:
             out.content += self._text if not self.calls else self._text.rstrip()
@@ -89,15 +101,22 @@ class ToolCallParser:
         return self._head(out)
 
     def _outside(self, out: Parsed) -> bool:
-        i = self._text.find(CALL_OPEN)
+        if self._at_start:  # a bare call opens the reply, or the reply is text
+            head = self._text.lstrip()
+            if not head:
+                return False
+            self._at_start = False
+            if head.startswith("{"):
+                self._open_block(self._text[:len(self._text) - len(head)], head, "")
+                return True
+        opening = self.fmt.open
+        i = self._text.find(opening)
         if i >= 0:
             before = self._text[:i].rstrip()  # blanks before a call only separate it
             out.content += before
-            self._gap = self._text[len(before):i]  # given back if the tag holds no call
-            self._text = self._text[i + len(CALL_OPEN):]
-            self._in_tag, self._body, self._streamed, self._head_done = True, "", False, False
+            self._open_block(self._text[len(before):i], self._text[i + len(opening):], opening)
             return True
-        keep = open_tag_start(self._text)  # a tail that may be the start of the opening tag
+        keep = _tag_start(self._text, opening)  # a tail that may be the start of the opening
         ready = self._text[:len(self._text) - keep]
         stripped = ready.rstrip()  # whitespace waits: it may only separate calls
         if stripped:
@@ -105,12 +124,19 @@ class ToolCallParser:
             self._text = self._text[len(stripped):]
         return False
 
+    def _open_block(self, gap: str, rest: str, opening: str) -> None:
+        self._gap = gap  # given back if the block holds no call
+        self._opening = opening  # its markup, given back alike
+        self._text = rest
+        self._in_tag, self._body, self._streamed, self._head_done = True, "", False, False
+
     def _head(self, out: Parsed) -> bool:
-        close = self._text.find(CALL_CLOSE)
-        m = HEAD.match(self._text)
+        closing = self.fmt.close
+        close = self._text.find(closing) if closing else -1
+        m = self._head_re.match(self._text)
         if m and (close < 0 or m.end() <= close):
             name = json.loads(f'"{m.group(1)}"')
-            call = Call(f"call_{uuid.uuid4().hex[:24]}", name)
+            call = Call(self.fmt.call_id(), name)
             self.calls.append(call)
             out.calls.append(CallDelta(len(self.calls) - 1, "", call.id, name))
             self._body += self._text[:m.end()]
@@ -119,19 +145,22 @@ class ToolCallParser:
             return True
         if close < 0:
             return False
-        body, self._text = self._text[:close], self._text[close + len(CALL_CLOSE):]
+        body, self._text = self._text[:close], self._text[close + len(closing):]
         self._in_tag = False
         if self._streamed:  # after a streamed call: its closing brackets
             return True
         calls = _read_calls(self._body + body)
         if calls is None:  # not a call: the text as the model wrote it
-            out.content += self._gap + CALL_OPEN + self._body + body + CALL_CLOSE
+            out.content += self._gap + self._opening + self._body + body + closing
             return True
+        self._add(out, calls)
+        return True
+
+    def _add(self, out: Parsed, calls: list[tuple[str, str]]) -> None:
         for name, arguments in calls:
-            call = Call(f"call_{uuid.uuid4().hex[:24]}", name, arguments)
+            call = Call(self.fmt.call_id(), name, arguments)
             self.calls.append(call)
             out.calls.append(CallDelta(len(self.calls) - 1, arguments, call.id, name))
-        return True
 
     def _arguments(self, out: Parsed) -> bool:
         if not self._args.started:
@@ -222,12 +251,17 @@ def _json_text(value: Any) -> str:
     return text
 
 
-def open_tag_start(text: str) -> int:
-    """The length of the tail of `text` that may be the start of an opening tag (0: none)."""
-    for k in range(min(len(CALL_OPEN) - 1, len(text)), 0, -1):
-        if text.endswith(CALL_OPEN[:k]):
+def _tag_start(text: str, tag: str) -> int:
+    """The length of the tail of `text` that may be the start of `tag` (0: none)."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
             return k
     return 0
+
+
+def open_tag_start(text: str, fmt: ToolFormat = HERMES) -> int:
+    """The length of the tail of `text` that may be the start of a block's opening."""
+    return _tag_start(text, fmt.open)
 
 
 def openai_deltas(pieces: list[CallDelta]) -> list[dict]:

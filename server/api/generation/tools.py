@@ -1,17 +1,21 @@
 """Tool calling: `tools` / `tool_choice` parsed, tools and tool turns rendered into the prompt,
 and the grammar that makes the model's calls well-formed.
 
-A chat template that knows tools (it reads `tools`, `tool_calls`) gets them natively. Others
-(SmolLM2-135M's has no tools) get a Hermes-style default: the tools listed in the system
+A chat template that knows tools (it reads `tools`, `tool_calls`) gets them natively (past
+calls written as the family writes them, tool_formats.py, where it does not read `tool_calls`).
+Others (SmolLM2-135M's has no tools) get a Hermes-style default: the tools listed in the system
 prompt, calls written `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, results fed
-back as `<tool_response>` turns. The grammar, in llguidance's Lark:
+back as `<tool_response>` turns. The grammar, in llguidance's Lark, in the model family's
+markup (tool_formats.py: Hermes' `<tool_call>` blocks, Llama 3's bare object, Mistral's and
+Granite's lists...; markup that is one special token named as that token):
 - "required": one call (several when parallel_tool_calls), each object following its tool's
   parameter schema;
 - a named tool: exactly one call of it (as vLLM and llama.cpp do: clients that name a tool,
   such as instructor and LangChain's structured output, read the first call; a small model
   left free to go on repeats the call until max_tokens cuts it);
-- "auto": free text, but once the model writes `<tool_call>` the call must be well-formed
-  (a lazy lexeme: the text before the trigger is unconstrained);
+- "auto": free text, but once the model writes the opening the call must be well-formed
+  (a lazy lexeme: the text before the trigger is unconstrained; or text, which cannot hold
+  an opening that is a special token, then the calls);
 - "none": no tools in the prompt, no grammar, no parsing.
 The deprecated `functions` / `function_call` (still served by OpenAI and sent by older code and
 LangChain's function agents) are the same tools with one call at most, answered as the
@@ -25,12 +29,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from server.api.body import loads
 from server.api.errors import invalid, unsupported
 from server.api.generation.structured import NAME
+from server.api.generation.tool_formats import HERMES, ToolFormat, parsed_arguments
 from server.engine.grammar import lark_json, map_schemas, schemas_in
 
-CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
 
@@ -171,14 +174,20 @@ def _choice(v: Any, names: list[str]) -> tuple[str, str | None]:
 
 # -- the prompt ----------------------------------------------------------------------------------
 
-def tool_messages(messages: list[dict[str, Any]], use: ToolUse | None, template: str
+def tool_messages(messages: list[dict[str, Any]], use: ToolUse | None, template: str,
+                  fmt: ToolFormat = HERMES
                   ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
-    """(messages, tools) for the chat template: native where the template knows tools, the
-    Hermes-style default otherwise."""
+    """(messages, tools) for the chat template: its own where it knows tools (past calls as
+    the format writes them where it does not write `tool_calls`: Granite 3's), a Hermes-style
+    system prompt and turns where it knows none."""
     offered = use is not None and use.is_active
     native_tools = "tools" in template
-    native_calls = "tool_calls" in template
-    out = _native_turns(messages) if native_calls else _hermes_turns(messages)
+    if "tool_calls" in template:
+        out = _native_turns(messages, fmt)
+    elif native_tools:
+        out = _text_turns(messages, fmt, results_as_user=False)
+    else:
+        out = _text_turns(messages, HERMES, results_as_user=True)
     if not offered:
         return out, None
     specs = [{"type": "function", "function": {"name": t.name, "description": t.description,
@@ -190,12 +199,13 @@ def tool_messages(messages: list[dict[str, Any]], use: ToolUse | None, template:
 
 def hermes_system_prompt(specs: list[dict[str, Any]]) -> str:
     listed = "\n".join(json.dumps(s, ensure_ascii=False) for s in specs)
+    opening, closing = HERMES.open, HERMES.close
     return ("You can call functions to help with the user's request. The functions you can "
             f"call are listed in <tools></tools>:\n<tools>\n{listed}\n</tools>\n"
             "To call a function, write its name and arguments as a JSON object within "
-            f"{CALL_OPEN}{CALL_CLOSE} tags:\n{CALL_OPEN}\n"
+            f"{opening}{closing} tags:\n{opening}\n"
             '{"name": <function-name>, "arguments": <arguments-object>}\n'
-            f"{CALL_CLOSE}")
+            f"{closing}")
 
 
 def _with_system(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
@@ -205,86 +215,109 @@ def _with_system(messages: list[dict[str, Any]], text: str) -> list[dict[str, An
     return [{"role": "system", "content": text}, *messages]
 
 
-def _native_turns(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Calls as Hugging Face templates take them: arguments as an object."""
+def _native_turns(messages: list[dict[str, Any]], fmt: ToolFormat) -> list[dict[str, Any]]:
+    """Calls as Hugging Face templates take them: arguments as an object, ids as the family's
+    template takes them."""
     out = []
     for m in messages:
         if m.get("tool_calls"):
-            calls = [{"type": "function", "id": c["id"], "function": {
+            calls = [{"type": "function", "id": fmt.template_id(c["id"]), "function": {
                 "name": c["function"]["name"],
                 "arguments": parsed_arguments(c["function"]["arguments"])}}
                 for c in m["tool_calls"]]
             m = dict(m, tool_calls=calls)
+        elif m["role"] == "tool":
+            m = dict(m, tool_call_id=fmt.template_id(m["tool_call_id"]))
         out.append(m)
     return out
 
 
-def _hermes_turns(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Assistant tool calls written as <tool_call> text, tool results as <tool_response>
-    turns of the user (consecutive results in one turn), for templates without tools."""
+def _text_turns(messages: list[dict[str, Any]], fmt: ToolFormat, results_as_user: bool
+                ) -> list[dict[str, Any]]:
+    """Assistant tool calls written into the content as the format writes them; with
+    `results_as_user` (a template that knows no tools), tool results as <tool_response> turns
+    of the user (consecutive results in one turn)."""
     out: list[dict[str, Any]] = []
     previous = None  # the role of the message before m
     for m in messages:
         if m["role"] == "assistant" and m.get("tool_calls"):
-            calls = "\n".join(f"{CALL_OPEN}\n{call_json(c)}\n{CALL_CLOSE}"
-                              for c in m["tool_calls"])
+            calls = fmt.call_text(m["tool_calls"])
             text = f"{m['content']}\n{calls}" if m["content"] else calls
             out.append({"role": "assistant", "content": text})
-        elif m["role"] == "tool":
+        elif m["role"] == "tool" and results_as_user:
             block = f"<tool_response>\n{m['content']}\n</tool_response>"
             if previous == "tool":
                 out[-1]["content"] += "\n" + block
             else:
                 out.append({"role": "user", "content": block})
+        elif m["role"] == "tool":
+            out.append(dict(m))
         else:
             out.append({"role": m["role"], "content": m["content"]})
         previous = m["role"]
     return out
 
 
-def call_json(call: dict[str, Any]) -> str:
-    """A past call as the model writes one (arguments as an object where they parse)."""
-    fn = call["function"]
-    return json.dumps({"name": fn["name"], "arguments": parsed_arguments(fn["arguments"])},
-                      ensure_ascii=False)
-
-
-def parsed_arguments(arguments: str) -> Any:
-    """A call's `arguments` string as JSON where it parses (templates expect an object)."""
-    try:
-        return loads(arguments)
-    except ValueError:
-        return arguments
-
-
 # -- the grammar ---------------------------------------------------------------------------------
 
-def tool_grammar(use: ToolUse, output_schema: dict[str, Any] | None) -> str | None:
-    """The Lark grammar the output follows, or None (no constraint); `output_schema`: the
-    response format's, which an "auto" answer that calls no tool follows."""
+def tool_grammar(use: ToolUse, output_schema: dict[str, Any] | None, fmt: ToolFormat = HERMES,
+                 atoms: dict[str, str] | None = None) -> str | None:
+    """The Lark grammar the output follows in `fmt`'s markup, or None (no constraint);
+    `output_schema`: the response format's, which an "auto" answer that calls no tool follows;
+    `atoms`: markup that is one special token, as the grammar names it (`<[id]>`)."""
     if not use.is_active:
         return None
+    atoms = atoms or {}
     tools = [t for t in use.tools if use.choice != "named" or t.name == use.name]
-    body = lark_json(_calls_schema(tools))
-    call = f'"\\n" call_body "\\n{CALL_CLOSE}"'
-    one = f'"{CALL_OPEN}" {call}'
-    lines = ["%llguidance {}", f"call_body: {body}"]
+    schema = _calls_schema(tools, fmt.args_key)
+    forced_several = use.forced and use.parallel and use.choice == "required"
+    several = (forced_several or (not use.forced and use.parallel)) and not fmt.one_call
+    lines = ["%llguidance {}"]
+    if fmt.listed:  # one block: the opening, a list of calls, the closing if any
+        defs = schema.pop("$defs")
+        array = {"type": "array", "items": schema, "minItems": 1, "$defs": defs}
+        lines.append(f"call_body: {lark_json(array | ({} if several else {'maxItems': 1}))}")
+        calls = one = _block(fmt, atoms, "call_body")
+    elif fmt.bare:  # the reply is the call (calls: "; " between them)
+        lines.append(f"call_body: {lark_json(schema)}")
+        one = "call_body"
+        calls = 'call_body ("; " call_body)*' if several else one
+    else:  # a block a call
+        lines.append(f"call_body: {lark_json(schema)}")
+        one = _block(fmt, atoms, '"\\n" call_body "\\n"')
+        calls = f'{one} ("\\n" {one})*' if several else one
     if use.forced:
-        several = use.parallel and use.choice == "required"
-        lines.append(f'start: {one} ("\\n" {one})*' if several else f"start: {one}")
+        lines.append(f"start: {calls}")
     elif output_schema is not None:  # auto with a response format: the JSON answer or calls
-        answer = lark_json(output_schema)
-        calls = f'{one} ("\\n" {one})*' if use.parallel else one
-        lines += [f"answer: {answer}", f"start: answer | {calls}"]
-    else:  # auto: free text; once the model writes the opening tag, a well-formed call
-        lines += [f'call_head[lazy]: TEXT "{CALL_OPEN}"', f"tool_call: call_head {call}",
+        lines += [f"answer: {lark_json(output_schema)}", f"start: answer | {calls}"]
+    elif fmt.bare:  # auto: text that is not a call, or the call
+        lines += ["TEXT: /[^{](.|\\n)*/", f"start: TEXT | {calls}"]
+    elif fmt.open in atoms:  # auto: free text, which can never hold the opening token
+        lines += [f"tool_call: {one}", "TEXT: /(.|\\n)*/"]
+        lines.append("start: TEXT tool_call?" if fmt.listed else "start: TEXT (tool_call TEXT)*"
+                     if several else "start: TEXT (tool_call TEXT)?")
+    else:  # auto: free text; once the model writes the opening, well-formed calls
+        opening = _atom(fmt.open, atoms)
+        rest = one[len(opening):]
+        lines += [f"call_head[lazy]: TEXT {opening}", f"tool_call: call_head {rest}",
                   "TEXT: /(.|\\n)*/"]
-        lines.append("start: tool_call* TEXT" if use.parallel else "start: TEXT | tool_call")
+        lines.append("start: tool_call* TEXT" if several and not fmt.listed
+                     else "start: TEXT | tool_call")
     return "\n".join(lines)
 
 
-def _calls_schema(tools: list[Tool]) -> dict[str, Any]:
-    """One call of any of `tools`: {"name": its name, "arguments": per its parameters}. Each
+def _atom(marker: str, atoms: dict[str, str]) -> str:
+    """Markup in a grammar: its special token, or its text."""
+    return atoms.get(marker) or json.dumps(marker)
+
+
+def _block(fmt: ToolFormat, atoms: dict[str, str], inner: str) -> str:
+    closing = f" {_atom(fmt.close, atoms)}" if fmt.close else ""
+    return f"{_atom(fmt.open, atoms)} {inner}{closing}"
+
+
+def _calls_schema(tools: list[Tool], args_key: str = "arguments") -> dict[str, Any]:
+    """One call of any of `tools`: {"name": its name, args_key: per its parameters}. Each
     tool's parameters go under the call schema's `$defs` with their own references ("#",
     "#/$defs/Address": pydantic writes them so for nested models and enums) rebased there, where
     they resolve as they did from the parameters' own root. Parameters that declare an `$id`
@@ -295,8 +328,8 @@ def _calls_schema(tools: list[Tool]) -> dict[str, Any]:
         own = any("$id" in s for s in schemas_in(params))
         defs[f"tool{i}"] = params if own else map_schemas(params, lambda s, at=at: _rebased(s, at))
         calls.append({"type": "object", "properties": {"name": {"const": tool.name},
-                                                       "arguments": {"$ref": at}},
-                      "required": ["name", "arguments"], "additionalProperties": False})
+                                                       args_key: {"$ref": at}},
+                      "required": ["name", args_key], "additionalProperties": False})
     return (calls[0] if len(calls) == 1 else {"anyOf": calls}) | {"$defs": defs}
 
 

@@ -25,7 +25,9 @@ from server.api.generation.reasoning import ReasoningFormat, ReasoningParser, op
 from server.api.generation.reasoning import with_reasoning as grammar_after_reasoning
 from server.api.generation.structured import compile_grammar, schema_grammar
 from server.api.generation.tool_calls import CallDelta, ToolCallParser, open_tag_start
-from server.api.generation.tools import CALL_OPEN, tool_grammar, tool_messages
+from server.api.generation.tool_formats import ToolFormat
+from server.api.generation.tool_formats import detect as detect_tool_format
+from server.api.generation.tools import tool_grammar, tool_messages
 from server.api.state import ServerState
 from server.api.wire import new_id
 from server.engine.grammar import Grammar, GrammarError, lark_grammar, lark_json
@@ -44,6 +46,7 @@ class Turn:
     calls_tools: bool  # tools are offered: the text is parsed for calls
     reasoning: ReasoningFormat | None = None  # the thinking block split off the answer
     opened: bool = False  # the prompt opened the block: the output starts in it
+    tool_format: ToolFormat | None = None  # how the model writes calls (when calls_tools)
 
 
 @dataclass(slots=True)
@@ -72,9 +75,13 @@ async def start_turn(state: ServerState, req: ChatRequest, salt: str, priority: 
         ids = await off_loop(state.tokenizer.encode, req.prediction, False)  # no BOS
         params = replace(params, prediction=tuple(ids[:state.max_request_tokens]))
     calls_tools = req.tool_use is not None and req.tool_use.is_active
+    tool_format = tool_format_of(state)
     prefill = req.messages[-1]["content"] if req.continue_final else ""
-    if calls_tools and _opens_a_call(prefill):
+    if calls_tools and _opens_a_call(prefill, tool_format):
         raise unsupported(param, "a final assistant message (prefill) with tool-call markup")
+    markup = await off_loop(_markup, state, tool_format.markers) if calls_tools else {}
+    if markup:
+        params = replace(params, shown_special=tuple(m.id for m in markup.values() if m.hidden))
     fmt = None if req.continue_final else state.reasoning  # a prefill goes on as it is
     block = fmt and await off_loop(_block_state, state, prompt_ids, fmt)
     opened, enabled = block is True, req.thinking.enabled and block is not None
@@ -83,7 +90,9 @@ async def start_turn(state: ServerState, req: ChatRequest, salt: str, priority: 
     if budget is not None:
         params = replace(params, thinking=budget)
     tags = await off_loop(_tag_tokens, state, fmt) if thinks else (None, None)
-    grammar, where = _grammar_text(req, schema_param, fmt if thinks else None, opened, tags)
+    atoms = {text: f"<[{m.id}]>" for text, m in markup.items() if m.special}
+    grammar, where = _grammar_text(req, schema_param, fmt if thinks else None, opened, tags,
+                                   tool_format, atoms)
     if grammar is not None:
         compiled = await compile_grammar(state, grammar, where)
         if prefill:  # the reply goes on from it: so does the grammar
@@ -92,7 +101,32 @@ async def start_turn(state: ServerState, req: ChatRequest, salt: str, priority: 
         params = replace(params, grammar=compiled)
     rid = request_id or new_id("chatcmpl")
     chunks = stream_engine(state, prompt_ids, params, rid, salt, priority)
-    return Turn(rid, len(prompt_ids), chunks, calls_tools, fmt, opened)
+    return Turn(rid, len(prompt_ids), chunks, calls_tools, fmt, opened, tool_format)
+
+
+def tool_format_of(state: ServerState) -> ToolFormat:
+    """How the served model writes tool calls: its chat template's format, or serve's."""
+    template = getattr(state.tokenizer, "chat_template", None) or ""
+    return detect_tool_format(template, state.settings.tool_format)
+
+
+@dataclass(frozen=True, slots=True)
+class Markup:
+    """A tool format's markup that is one token."""
+
+    id: int
+    special: bool  # to llguidance: a grammar names it `<[id]>`, never by its text
+    hidden: bool  # dropped by decoding: the text must show it all the same
+
+
+def _markup(state: ServerState, texts: tuple[str, ...]) -> dict[str, Markup]:
+    out = {}
+    for text in texts:
+        ids = state.tokenizer.encode(text, False)
+        if len(ids) == 1:
+            hidden = state.tokenizer.decode(ids, skip_special_tokens=True) == ""
+            out[text] = Markup(ids[0], state.grammars.is_special(ids[0]), hidden)
+    return out
 
 
 def _tag_tokens(state: ServerState, fmt: ReasoningFormat) -> tuple[str | None, str | None]:
@@ -125,10 +159,11 @@ def _budget(state: ServerState, fmt: ReasoningFormat | None, opened: bool, enabl
                           budget, opened)
 
 
-def _opens_a_call(text: str) -> bool:
-    """The text holds a call's opening tag, or ends with the start of one: a prefill that does
-    is refused, so that the reply's own text parses into its calls alone."""
-    return CALL_OPEN in text or open_tag_start(text) > 0
+def _opens_a_call(text: str, fmt: ToolFormat) -> bool:
+    """The text holds a call's opening, or ends with the start of one: a prefill that does is
+    refused, so that the reply's own text parses into its calls alone."""
+    return fmt.open in text or open_tag_start(text, fmt) > 0 or (
+        fmt.bare and text.lstrip().startswith("{"))
 
 
 def _after_prefill(tokenizer: Any, grammar: Grammar, prefill: str, param: str,
@@ -148,7 +183,7 @@ async def count_prompt_tokens(state: ServerState, req: ChatRequest, param: str) 
 async def prompt_token_ids(state: ServerState, req: ChatRequest, param: str) -> list[int]:
     """The prompt the request would take, through the chat template (tools included)."""
     template = getattr(state.tokenizer, "chat_template", None) or ""
-    messages, tools = tool_messages(req.messages, req.tool_use, template)
+    messages, tools = tool_messages(req.messages, req.tool_use, template, tool_format_of(state))
     return await off_loop(_prompt_ids, state.tokenizer, messages, tools, param,
                           req.continue_final, req.thinking.render_kwargs())
 
@@ -170,7 +205,7 @@ async def pieces(turn: Turn) -> AsyncIterator[Piece]:
         if not turn.calls_tools:
             yield Piece(chunk, content, [], finish, reasoning, num_reasoning)
             continue
-        parser = parsers.setdefault(chunk.index, ToolCallParser())
+        parser = parsers.setdefault(chunk.index, ToolCallParser(turn.tool_format))
         parsed = parser.feed(content)
         content, calls = parsed.content, parsed.calls
         if finish is not None:
@@ -186,12 +221,13 @@ def finish_with_calls(reason: str | None, parser: ToolCallParser) -> str | None:
 
 
 def _grammar_text(req: ChatRequest, schema_param: str, thinking: ReasoningFormat | None,
-                  opened: bool, tags: tuple[str | None, str | None]) -> tuple[str | None, str]:
+                  opened: bool, tags: tuple[str | None, str | None], tool_format: ToolFormat,
+                  atoms: dict[str, str]) -> tuple[str | None, str]:
     """The grammar the answer follows (llguidance's text) and the field it comes from; after
     the thinking block where the model thinks (`thinking`: its format)."""
     if req.tool_use is not None and req.tool_use.is_active:
         field = "functions" if req.tool_use.legacy else "tools"
-        lark = tool_grammar(req.tool_use, req.output_schema)
+        lark = tool_grammar(req.tool_use, req.output_schema, tool_format, atoms)
     elif req.output_schema is not None:
         field = schema_param
         if thinking is None:

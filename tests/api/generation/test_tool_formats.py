@@ -1,0 +1,176 @@
+"""Each family's tool-call format (tool_formats.py): its parser at every chunking, the format
+found in the family's real chat template (llama.cpp keeps them in models/templates), past calls
+and results rendered as transformers renders them, and a tiny model served behind each template
+calling a tool under tool_choice required through the official client, streamed and whole."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from server.api.generation.tool_calls import ToolCallParser
+from server.api.generation.tool_formats import FORMATS, detect
+from server.api.generation.tools import parse_tools, tool_messages
+from tests.api.server import ServerProcess
+from tests.helpers import QWEN3_ADDED, hf_model, make_tokenizer, pull_into
+
+CITY = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}},
+        "required": ["city"]}  # bounded: a random model's call ends
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather.",
+                                            "parameters": CITY}}
+# format -> (its real template, the markup that is special in its tokenizer, or its own text)
+CASES = {
+    "hermes": ("Qwen-Qwen3-0.6B", dict(added=QWEN3_ADDED)),
+    "llama3": ("meta-llama-Llama-3.2-3B-Instruct", dict(special=("<|python_tag|>",))),
+    "mistral": ("mistralai-Mistral-Nemo-Instruct-2407", dict(special=("[TOOL_CALLS]",))),
+    "granite": ("ibm-granite-granite-3.3-2B-Instruct", dict(special=("<|tool_call|>",))),
+}
+CALL = {"name": "get_weather", "arguments": {"city": "Paris"}}
+
+
+def parse(fmt, pieces: list[str]):
+    parser = ToolCallParser(FORMATS[fmt])
+    content, calls = "", []
+    for piece in pieces:
+        out = parser.feed(piece)
+        content, calls = content + out.content, calls + out.calls
+    out = parser.finish()
+    whole = [(c.name, json.loads(c.arguments)) for c in parser.calls]
+    return content + out.content, whole, parser.calls
+
+
+TWO = [CALL, {"name": "f", "arguments": {}}]
+
+
+@pytest.mark.parametrize("fmt,text,content,calls", [
+    ("llama3", '{"name": "get_weather", "parameters": {"city": "Paris"}}', "",
+     [("get_weather", {"city": "Paris"})]),
+    ("llama3", ' \n{"name": "f", "parameters": {}}', "", [("f", {})]),
+    ("llama3", "It is sunny {really}.", "It is sunny {really}.", []),
+    ("mistral", "[TOOL_CALLS]" + json.dumps(TWO), "",
+     [("get_weather", {"city": "Paris"}), ("f", {})]),
+    ("mistral", "Sure.[TOOL_CALLS]" + json.dumps([CALL]), "Sure.",
+     [("get_weather", {"city": "Paris"})]),
+    ("mistral", "No call [TOOL_CALLS here.", "No call [TOOL_CALLS here.", []),
+    ("granite", "<|tool_call|>" + json.dumps(TWO), "",
+     [("get_weather", {"city": "Paris"}), ("f", {})]),
+    ("phi4", "<|tool_call|>" + json.dumps([CALL]) + "<|/tool_call|>", "",
+     [("get_weather", {"city": "Paris"})]),
+    ("hermes", "<tool_call>\n" + json.dumps(CALL) + "\n</tool_call>", "",
+     [("get_weather", {"city": "Paris"})]),
+])
+def test_every_format_parses_alike_at_every_chunking(fmt, text, content, calls):
+    assert parse(fmt, [text])[:2] == (content, calls)
+    for i in range(1, len(text)):
+        assert parse(fmt, [text[:i], text[i:]])[:2] == (content, calls), i
+    assert parse(fmt, list(text))[:2] == (content, calls)
+
+
+def test_mistral_call_ids_are_nine_letters_and_digits():
+    _, _, calls = parse("mistral", ["[TOOL_CALLS]" + json.dumps(TWO)])
+    assert all(re.fullmatch("[a-zA-Z0-9]{9}", c.id) for c in calls)
+    fmt = FORMATS["mistral"]
+    assert fmt.template_id("call_abc") == fmt.template_id("call_abc") != "call_abc"
+    assert fmt.template_id("a1b2c3d4e") == "a1b2c3d4e"
+
+
+@pytest.mark.parametrize("fmt", CASES)
+def test_the_format_is_the_templates(real_template, fmt):
+    assert detect(real_template(CASES[fmt][0])).name == fmt
+
+
+def history(call_id: str) -> list[dict]:
+    """A turn that called the tool and got its result, as the client sends it back."""
+    return [{"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": call_id, "type": "function", "function": {
+                    "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"role": "tool", "tool_call_id": call_id, "content": "Sunny, 21 C."}]
+
+
+@pytest.mark.parametrize("fmt", CASES)
+def test_a_call_and_its_result_render_as_transformers_renders_them(real_template, fmt,
+                                                                   tmp_path):
+    """Our rendering of a past call and its result (through the family's template, or written
+    into the content as the family writes calls where the template does not) against
+    transformers' of the same turn as its documentation writes it."""
+    from transformers import AutoTokenizer
+
+    from server.models.tokenizer import Tokenizer
+
+    tok = make_tokenizer(**CASES[fmt][1])
+    tok.chat_template = real_template(CASES[fmt][0])
+    tok.save_pretrained(tmp_path)
+    ours = Tokenizer(tmp_path)
+    f = FORMATS[fmt]
+    call_id = "a1b2c3d4e"  # nine letters and digits: every family takes it as it is
+    use = parse_tools([WEATHER], "auto", None)
+    messages, tools = tool_messages(history(call_id), use, ours.chat_template, f)
+    got = ours.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                   enable_thinking=True)
+    hf_call = {"id": call_id, "type": "function",
+               "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    turn = {"role": "assistant", "content": "", "tool_calls": [hf_call]}
+    if "tool_calls" not in ours.chat_template:  # Granite 3: the call as the model writes it
+        turn = {"role": "assistant", "content": f.call_text(history(call_id)[1]["tool_calls"])}
+    want = AutoTokenizer.from_pretrained(tmp_path).apply_chat_template(
+        [history(call_id)[0], turn, {"role": "tool", "tool_call_id": call_id,
+                                     "content": "Sunny, 21 C."}],
+        tools=[WEATHER], add_generation_prompt=True, tokenize=False, enable_thinking=True)
+    assert got == want
+    assert "Sunny, 21 C." in got and "Paris" in got
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def family(request, real_template, tmp_path_factory):
+    fmt = request.param
+    root = tmp_path_factory.mktemp(fmt)
+    tok = make_tokenizer(**CASES[fmt][1])
+    tok.chat_template = real_template(CASES[fmt][0])
+    folder = root / f"tiny-{fmt}"
+    hf_model("qwen3", seed=7, vocab_size=len(tok) + 3,
+             max_position_embeddings=4096).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    pull_into(root / "home", folder)
+    proc = ServerProcess(root / "home", [f"tiny-{fmt}:bf16", "--kv-cache-mb", "32"],
+                         root / "server.log").start()
+    proc.fmt = fmt
+    yield proc
+    proc.stop()
+
+
+def test_required_calls_in_the_familys_format(family):
+    """tool_choice required: a call whose arguments validate, streamed as it is whole; then the
+    call and its result go back through the family's template and the model answers."""
+    from openai import OpenAI
+
+    model = f"tiny-{family.fmt}:bf16"
+    body = dict(model=model, messages=history("x")[:1], tools=[WEATHER],
+                tool_choice="required", parallel_tool_calls=False, max_tokens=120,
+                temperature=0, extra_body={"max_reasoning_tokens": 4})  # Qwen3 thinks first
+    with OpenAI(base_url=f"{family.url}/v1", api_key="x", max_retries=0, timeout=60) as c:
+        whole = c.chat.completions.create(**body)
+        message = whole.choices[0].message
+        assert whole.choices[0].finish_reason == "tool_calls" and message.content is None
+        call = message.tool_calls[0]
+        assert call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), CITY)
+        if family.fmt == "mistral":
+            assert re.fullmatch("[a-zA-Z0-9]{9}", call.id)
+        streamed: dict[int, list] = {}
+        for chunk in c.chat.completions.create(**body, stream=True):
+            assert not chunk.choices or not chunk.choices[0].delta.content  # no markup as text
+            for d in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+                entry = streamed.setdefault(d.index, [None, ""])
+                entry[0] = entry[0] or d.function.name
+                entry[1] += d.function.arguments or ""
+        assert [(n, json.loads(a)) for n, a in streamed.values()] == [
+            (t.function.name, json.loads(t.function.arguments)) for t in message.tool_calls]
+        turn = [*history(call.id)[:1], message.model_dump(exclude_none=True),
+                {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 C."}]
+        answer = c.chat.completions.create(model=model, messages=turn, tools=[WEATHER],
+                                           max_tokens=3, temperature=0)
+        assert answer.usage.prompt_tokens > whole.usage.prompt_tokens
