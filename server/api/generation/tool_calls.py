@@ -78,7 +78,9 @@ class ToolCallParser:
         """The end of the output: whatever was held back (a block that ends with the reply
         ends here)."""
         out = self.feed("")
-        if self._in_tag and not self._streamed:
+        if self._in_tag and not self._streamed and self.fmt.args_marker is not None:
+            pass  # a call cut before its arguments: no call, and no markup
+        elif self._in_tag and not self._streamed:
             body = self._body + self._text
             calls = _read_calls(body) if self.fmt.close is None else None
             if calls:
@@ -131,6 +133,8 @@ class ToolCallParser:
         self._in_tag, self._body, self._streamed, self._head_done = True, "", False, False
 
     def _head(self, out: Parsed) -> bool:
+        if self.fmt.args_marker is not None:
+            return self._named_head(out)
         closing = self.fmt.close
         close = self._text.find(closing) if closing else -1
         m = self._head_re.match(self._text)
@@ -154,6 +158,27 @@ class ToolCallParser:
             out.content += self._gap + self._opening + self._body + body + closing
             return True
         self._add(out, calls)
+        return True
+
+    def _named_head(self, out: Parsed) -> bool:
+        """Mistral's `name[ARGS]` (or `name[CALL_ID]id[ARGS]`): the call starts once its
+        arguments do; the next call opens again."""
+        fmt, text = self.fmt, self._text
+        if text.startswith(fmt.open):
+            text = text[len(fmt.open):]
+        elif fmt.open.startswith(text):
+            return False  # the next opening, maybe
+        j = text.find(fmt.args_marker)
+        if j < 0:
+            return False
+        name, call_id = text[:j], None
+        if fmt.id_marker is not None and fmt.id_marker in name:
+            name, call_id = name.split(fmt.id_marker, 1)
+        call = Call(call_id or fmt.call_id(), name.strip())
+        self.calls.append(call)
+        out.calls.append(CallDelta(len(self.calls) - 1, "", call.id, call.name))
+        self._text = text[j + len(fmt.args_marker):]
+        self._streamed, self._head_done, self._args = True, True, _ArgsScanner()
         return True
 
     def _add(self, out: Parsed, calls: list[tuple[str, str]]) -> None:

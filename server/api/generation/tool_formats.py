@@ -7,6 +7,9 @@ the chat template (`serve --tool-format` names one instead):
 - llama3: the reply is one bare object `{"name": ..., "parameters": {...}}` (Llama 3.1-3.3);
 - mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` (Mistral 7B v0.3, Nemo: ids
   of nine letters and digits, which their templates require);
+- mistral-args: `[TOOL_CALLS]name[ARGS]{...}` a call (Devstral, Magistral, Ministral 3), and
+  mistral-call-id: `[TOOL_CALLS]name[CALL_ID]id[ARGS]{...}` (Mistral Small 3.2: the model
+  writes the id);
 - granite: `<|tool_call|>[{"name": ..., "arguments": {...}}, ...]` (Granite 3.x);
 - phi4: `<|tool_call|>[...]<|/tool_call|>` (Phi-4-mini).
 
@@ -38,6 +41,8 @@ class ToolFormat:
     bare: bool = False  # a reply that starts with "{" is a call without `open` (Llama 3)
     id_length: int | None = None  # call ids of this many letters and digits (Mistral's)
     one_call: bool = False  # the family writes one call a turn (Llama 3's templates refuse more)
+    args_marker: str | None = None  # the name is text up to it, the arguments follow (Mistral)
+    id_marker: str | None = None  # the model writes the call's id between it and args_marker
 
     def call_id(self) -> str:
         """A new call's id, as the family's template takes it back."""
@@ -54,6 +59,12 @@ class ToolFormat:
 
     def call_text(self, calls: list[dict[str, Any]]) -> str:
         """Past calls as the model writes them (for templates that do not write them)."""
+        if self.args_marker is not None:
+            return "".join(
+                self.open + c["function"]["name"]
+                + (f"{self.id_marker}{self.template_id(c['id'])}" if self.id_marker else "")
+                + self.args_marker + json.dumps(parsed_arguments(c["function"]["arguments"]),
+                                                ensure_ascii=False) for c in calls)
         objects = [{"name": c["function"]["name"],
                     self.args_key: parsed_arguments(c["function"]["arguments"])} for c in calls]
         if self.listed:
@@ -66,7 +77,7 @@ class ToolFormat:
     @property
     def markers(self) -> tuple[str, ...]:
         """The strings of the format's markup (kept in the text where they are special tokens)."""
-        return tuple(m for m in (self.open, self.close) if m)
+        return tuple(m for m in (self.open, self.close, self.args_marker, self.id_marker) if m)
 
 
 HERMES = ToolFormat("hermes", "<tool_call>", "</tool_call>")
@@ -75,6 +86,9 @@ FORMATS = {f.name: f for f in (
     ToolFormat("llama3", "<|python_tag|>", None, args_key="parameters", bare=True,
                one_call=True),
     ToolFormat("mistral", "[TOOL_CALLS]", None, listed=True, id_length=9),
+    ToolFormat("mistral-args", "[TOOL_CALLS]", None, id_length=9, args_marker="[ARGS]"),
+    ToolFormat("mistral-call-id", "[TOOL_CALLS]", None, id_length=9, args_marker="[ARGS]",
+               id_marker="[CALL_ID]"),
     ToolFormat("granite", "<|tool_call|>", None, listed=True),
     ToolFormat("phi4", "<|tool_call|>", "<|/tool_call|>", listed=True),
 )}
@@ -86,7 +100,8 @@ def detect(template: str, choice: str = "auto") -> ToolFormat:
     if choice != "auto":
         return FORMATS[choice]
     if "[TOOL_CALLS]" in template:
-        return FORMATS["mistral"]
+        return FORMATS["mistral-call-id" if "[CALL_ID]" in template else
+                       "mistral-args" if "[ARGS]" in template else "mistral"]
     if "<|tool_call|>" in template:
         return FORMATS["phi4" if "<|/tool_call|>" in template else "granite"]
     if "<|python_tag|>" in template or '"parameters": dictionary of argument name' in template:

@@ -273,7 +273,11 @@ def tool_grammar(use: ToolUse, output_schema: dict[str, Any] | None, fmt: ToolFo
     forced_several = use.forced and use.parallel and use.choice == "required"
     several = (forced_several or (not use.forced and use.parallel)) and not fmt.one_call
     lines = ["%llguidance {}"]
-    if fmt.listed:  # one block: the opening, a list of calls, the closing if any
+    if fmt.args_marker is not None:  # Mistral's name[ARGS]{...}, one opening a call
+        lines += _named_calls(tools, fmt, atoms)
+        one = "call_body"
+        calls = "call_body+" if several else one
+    elif fmt.listed:  # one block: the opening, a list of calls, the closing if any
         defs = schema.pop("$defs")
         array = {"type": "array", "items": schema, "minItems": 1, "$defs": defs}
         lines.append(f"call_body: {lark_json(array | ({} if several else {'maxItems': 1}))}")
@@ -294,8 +298,10 @@ def tool_grammar(use: ToolUse, output_schema: dict[str, Any] | None, fmt: ToolFo
         lines += ["TEXT: /[^{](.|\\n)*/", f"start: TEXT | {calls}"]
     elif fmt.open in atoms:  # auto: free text, which can never hold the opening token
         lines += [f"tool_call: {one}", "TEXT: /(.|\\n)*/"]
-        lines.append("start: TEXT tool_call?" if fmt.listed else "start: TEXT (tool_call TEXT)*"
-                     if several else "start: TEXT (tool_call TEXT)?")
+        ends_reply = fmt.close is None  # nothing may follow the calls
+        lines.append(("start: TEXT tool_call*" if several else "start: TEXT tool_call?")
+                     if ends_reply else "start: TEXT (tool_call TEXT)*" if several
+                     else "start: TEXT (tool_call TEXT)?")
     else:  # auto: free text; once the model writes the opening, well-formed calls
         opening = _atom(fmt.open, atoms)
         rest = one[len(opening):]
@@ -304,6 +310,20 @@ def tool_grammar(use: ToolUse, output_schema: dict[str, Any] | None, fmt: ToolFo
         lines.append("start: tool_call* TEXT" if several and not fmt.listed
                      else "start: TEXT | tool_call")
     return "\n".join(lines)
+
+
+def _named_calls(tools: list[Tool], fmt: ToolFormat, atoms: dict[str, str]) -> list[str]:
+    """The rules of one call in Mistral's named form: the opening, a tool's name (its id), the
+    arguments marker, its parameters."""
+    opening, marker = _atom(fmt.open, atoms), _atom(fmt.args_marker, atoms)
+    call_id = f" {_atom(fmt.id_marker, atoms)} CALL_ID" if fmt.id_marker else ""
+    lines = [f"call_body: {' | '.join(f'tool{i}' for i in range(len(tools)))}"]
+    for i, tool in enumerate(tools):
+        lines.append(f"tool{i}: {opening} {json.dumps(tool.name)}{call_id} {marker} "
+                     f"{lark_json(tool.parameters)}")
+    if fmt.id_marker:
+        lines.append(f"CALL_ID: /[a-zA-Z0-9]{{{fmt.id_length}}}/")
+    return lines
 
 
 def _atom(marker: str, atoms: dict[str, str]) -> str:

@@ -27,6 +27,10 @@ CASES = {
     "llama3": ("meta-llama-Llama-3.2-3B-Instruct", dict(special=("<|python_tag|>",))),
     "mistral": ("mistralai-Mistral-Nemo-Instruct-2407", dict(special=("[TOOL_CALLS]",))),
     "granite": ("ibm-granite-granite-3.3-2B-Instruct", dict(special=("<|tool_call|>",))),
+    "mistral-args": ("unsloth-mistral-Devstral-Small-2507",
+                     dict(special=("[TOOL_CALLS]", "[ARGS]"))),
+    "mistral-call-id": ("Mistral-Small-3.2-24B-Instruct-2506",
+                        dict(special=("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"))),
 }
 CALL = {"name": "get_weather", "arguments": {"city": "Paris"}}
 
@@ -61,6 +65,11 @@ TWO = [CALL, {"name": "f", "arguments": {}}]
      [("get_weather", {"city": "Paris"})]),
     ("hermes", "<tool_call>\n" + json.dumps(CALL) + "\n</tool_call>", "",
      [("get_weather", {"city": "Paris"})]),
+    ("mistral-args", 'Ok.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]f[ARGS]{}',
+     "Ok.", [("get_weather", {"city": "Paris"}), ("f", {})]),
+    ("mistral-call-id", '[TOOL_CALLS]get_weather[CALL_ID]a1b2c3d4e[ARGS]{"city": "Rome"}', "",
+     [("get_weather", {"city": "Rome"})]),
+    ("mistral-args", "[TOOL_CALLS]get_wea", "", []),  # cut before its arguments: no call
 ])
 def test_every_format_parses_alike_at_every_chunking(fmt, text, content, calls):
     assert parse(fmt, [text])[:2] == (content, calls)
@@ -72,6 +81,8 @@ def test_every_format_parses_alike_at_every_chunking(fmt, text, content, calls):
 def test_mistral_call_ids_are_nine_letters_and_digits():
     _, _, calls = parse("mistral", ["[TOOL_CALLS]" + json.dumps(TWO)])
     assert all(re.fullmatch("[a-zA-Z0-9]{9}", c.id) for c in calls)
+    _, _, calls = parse("mistral-call-id", ['[TOOL_CALLS]f[CALL_ID]a1b2c3d4e[ARGS]{}'])
+    assert [c.id for c in calls] == ["a1b2c3d4e"]  # the model's own
     fmt = FORMATS["mistral"]
     assert fmt.template_id("call_abc") == fmt.template_id("call_abc") != "call_abc"
     assert fmt.template_id("a1b2c3d4e") == "a1b2c3d4e"
@@ -132,7 +143,7 @@ def family(request, real_template, tmp_path_factory):
     tok.chat_template = real_template(CASES[fmt][0])
     folder = root / f"tiny-{fmt}"
     hf_model("qwen3", seed=7, vocab_size=len(tok) + 3,
-             max_position_embeddings=4096).save_pretrained(folder)
+             max_position_embeddings=8192).save_pretrained(folder)
     tok.save_pretrained(folder)
     pull_into(root / "home", folder)
     proc = ServerProcess(root / "home", [f"tiny-{fmt}:bf16", "--kv-cache-mb", "32"],
@@ -158,7 +169,7 @@ def test_required_calls_in_the_familys_format(family):
         call = message.tool_calls[0]
         assert call.function.name == "get_weather"
         jsonschema.validate(json.loads(call.function.arguments), CITY)
-        if family.fmt == "mistral":
+        if family.fmt.startswith("mistral"):
             assert re.fullmatch("[a-zA-Z0-9]{9}", call.id)
         streamed: dict[int, list] = {}
         for chunk in c.chat.completions.create(**body, stream=True):
