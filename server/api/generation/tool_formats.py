@@ -11,7 +11,9 @@ the chat template (`serve --tool-format` names one instead):
   mistral-call-id: `[TOOL_CALLS]name[CALL_ID]id[ARGS]{...}` (Mistral Small 3.2: the model
   writes the id);
 - granite: `<|tool_call|>[{"name": ..., "arguments": {...}}, ...]` (Granite 3.x);
-- phi4: `<|tool_call|>[...]<|/tool_call|>` (Phi-4-mini).
+- phi4: `<|tool_call|>[...]<|/tool_call|>` (Phi-4-mini);
+- qwen3-coder: `<tool_call><function=NAME><parameter=KEY>value</parameter></function></tool_call>`,
+  a value raw text (xml_calls.py).
 
 A format is data: what opens a block of calls, what closes it (or the end of the reply), whether
 the block holds a list, the key of the arguments. tool_calls.py parses any of them, tools.py
@@ -43,6 +45,7 @@ class ToolFormat:
     one_call: bool = False  # the family writes one call a turn (Llama 3's templates refuse more)
     args_marker: str | None = None  # the name is text up to it, the arguments follow (Mistral)
     id_marker: str | None = None  # the model writes the call's id between it and args_marker
+    xml: bool = False  # Qwen3-Coder's XML calls (xml_calls.py)
 
     def call_id(self) -> str:
         """A new call's id, as the family's template takes it back."""
@@ -59,6 +62,12 @@ class ToolFormat:
 
     def call_text(self, calls: list[dict[str, Any]]) -> str:
         """Past calls as the model writes them (for templates that do not write them)."""
+        if self.xml:
+            return "\n".join(
+                f"{self.open}\n<function={c['function']['name']}>\n" + "".join(
+                    f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v)}\n"
+                    "</parameter>\n" for k, v in _object(c).items())
+                + f"</function>\n{self.close}" for c in calls)
         if self.args_marker is not None:
             return "".join(
                 self.open + c["function"]["name"]
@@ -81,6 +90,7 @@ class ToolFormat:
 
 
 HERMES = ToolFormat("hermes", "<tool_call>", "</tool_call>")
+QWEN3_CODER = ToolFormat("qwen3-coder", "<tool_call>", "</tool_call>", xml=True)
 FORMATS = {f.name: f for f in (
     HERMES,
     ToolFormat("llama3", "<|python_tag|>", None, args_key="parameters", bare=True,
@@ -91,6 +101,7 @@ FORMATS = {f.name: f for f in (
                id_marker="[CALL_ID]"),
     ToolFormat("granite", "<|tool_call|>", None, listed=True),
     ToolFormat("phi4", "<|tool_call|>", "<|/tool_call|>", listed=True),
+    QWEN3_CODER,
 )}
 CHOICES = ("auto", *FORMATS)  # serve --tool-format
 
@@ -104,9 +115,16 @@ def detect(template: str, choice: str = "auto") -> ToolFormat:
                        "mistral-args" if "[ARGS]" in template else "mistral"]
     if "<|tool_call|>" in template:
         return FORMATS["phi4" if "<|/tool_call|>" in template else "granite"]
+    if "<function=" in template and "<parameter=" in template:
+        return QWEN3_CODER
     if "<|python_tag|>" in template or '"parameters": dictionary of argument name' in template:
         return FORMATS["llama3"]
     return HERMES
+
+
+def _object(call: dict[str, Any]) -> dict[str, Any]:
+    value = parsed_arguments(call["function"]["arguments"])
+    return value if isinstance(value, dict) else {}
 
 
 def parsed_arguments(arguments: str) -> Any:

@@ -32,6 +32,7 @@ from typing import Any
 from server.api.errors import invalid, unsupported
 from server.api.generation.structured import NAME
 from server.api.generation.tool_formats import HERMES, ToolFormat, parsed_arguments
+from server.api.generation.xml_calls import call_rules
 from server.engine.grammar import lark_json, map_schemas, schemas_in
 
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
@@ -273,7 +274,11 @@ def tool_grammar(use: ToolUse, output_schema: dict[str, Any] | None, fmt: ToolFo
     forced_several = use.forced and use.parallel and use.choice == "required"
     several = (forced_several or (not use.forced and use.parallel)) and not fmt.one_call
     lines = ["%llguidance {}"]
-    if fmt.args_marker is not None:  # Mistral's name[ARGS]{...}, one opening a call
+    if fmt.xml:  # Qwen3-Coder: a block a call, XML inside
+        lines += call_rules(tools, lark_json)
+        one = _block(fmt, atoms, '"\\n" call_body')
+        calls = f'{one} ("\\n" {one})*' if several else one
+    elif fmt.args_marker is not None:  # Mistral's name[ARGS]{...}, one opening a call
         lines += _named_calls(tools, fmt, atoms)
         one = "call_body"
         calls = "call_body+" if several else one

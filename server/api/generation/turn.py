@@ -25,9 +25,10 @@ from server.api.generation.reasoning import ReasoningFormat, ReasoningParser, op
 from server.api.generation.reasoning import with_reasoning as grammar_after_reasoning
 from server.api.generation.structured import compile_grammar, schema_grammar
 from server.api.generation.tool_calls import CallDelta, ToolCallParser, open_tag_start
-from server.api.generation.tool_formats import ToolFormat
+from server.api.generation.tool_formats import HERMES, ToolFormat
 from server.api.generation.tool_formats import detect as detect_tool_format
 from server.api.generation.tools import tool_grammar, tool_messages
+from server.api.generation.xml_calls import XmlCallParser
 from server.api.state import ServerState
 from server.api.wire import new_id
 from server.engine.grammar import Grammar, GrammarError, lark_grammar, lark_json
@@ -47,6 +48,13 @@ class Turn:
     reasoning: ReasoningFormat | None = None  # the thinking block split off the answer
     opened: bool = False  # the prompt opened the block: the output starts in it
     tool_format: ToolFormat | None = None  # how the model writes calls (when calls_tools)
+    tool_schemas: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> parameters
+
+    def call_parser(self) -> ToolCallParser | XmlCallParser:
+        """A parser of one choice's calls, in the model's format."""
+        if self.tool_format is not None and self.tool_format.xml:
+            return XmlCallParser(self.tool_format, self.tool_schemas)
+        return ToolCallParser(self.tool_format or HERMES)
 
 
 @dataclass(slots=True)
@@ -101,7 +109,8 @@ async def start_turn(state: ServerState, req: ChatRequest, salt: str, priority: 
         params = replace(params, grammar=compiled)
     rid = request_id or new_id("chatcmpl")
     chunks = stream_engine(state, prompt_ids, params, rid, salt, priority)
-    return Turn(rid, len(prompt_ids), chunks, calls_tools, fmt, opened, tool_format)
+    schemas = {t.name: t.parameters for t in req.tool_use.tools} if calls_tools else {}
+    return Turn(rid, len(prompt_ids), chunks, calls_tools, fmt, opened, tool_format, schemas)
 
 
 def tool_format_of(state: ServerState) -> ToolFormat:
@@ -192,7 +201,7 @@ async def pieces(turn: Turn) -> AsyncIterator[Piece]:
     """The engine's chunks as reasoning, content and call pieces, each choice parsed on its
     own: the thinking block first (where the model has one), calls in the rest."""
     thinking: dict[int, ReasoningParser] = {}
-    parsers: dict[int, ToolCallParser] = {}
+    parsers: dict[int, ToolCallParser | XmlCallParser] = {}
     async for chunk in turn.chunks:
         finish, reasoning, content, num_reasoning = chunk.finish_reason, "", chunk.text, 0
         if turn.reasoning is not None:
@@ -205,7 +214,7 @@ async def pieces(turn: Turn) -> AsyncIterator[Piece]:
         if not turn.calls_tools:
             yield Piece(chunk, content, [], finish, reasoning, num_reasoning)
             continue
-        parser = parsers.setdefault(chunk.index, ToolCallParser(turn.tool_format))
+        parser = parsers.setdefault(chunk.index, turn.call_parser())
         parsed = parser.feed(content)
         content, calls = parsed.content, parsed.calls
         if finish is not None:
@@ -215,7 +224,7 @@ async def pieces(turn: Turn) -> AsyncIterator[Piece]:
         yield Piece(chunk, content, calls, finish, reasoning, num_reasoning)
 
 
-def finish_with_calls(reason: str | None, parser: ToolCallParser) -> str | None:
+def finish_with_calls(reason: str | None, parser: ToolCallParser | XmlCallParser) -> str | None:
     """A choice that ended by itself after calling tools finished with "tool_calls"."""
     return "tool_calls" if reason == "stop" and parser.calls else reason
 

@@ -13,7 +13,8 @@ import pytest
 
 from server.api.generation.tool_calls import ToolCallParser
 from server.api.generation.tool_formats import FORMATS, detect
-from server.api.generation.tools import parse_tools, tool_messages
+from server.api.generation.tools import parse_tools, tool_grammar, tool_messages
+from server.api.generation.xml_calls import XmlCallParser
 from tests.api.server import ServerProcess
 from tests.helpers import QWEN3_ADDED, hf_model, make_tokenizer, pull_into
 
@@ -31,12 +32,19 @@ CASES = {
                      dict(special=("[TOOL_CALLS]", "[ARGS]"))),
     "mistral-call-id": ("Mistral-Small-3.2-24B-Instruct-2506",
                         dict(special=("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"))),
+    "qwen3-coder": ("Qwen3-Coder", dict(added=QWEN3_ADDED)),
 }
+SCHEMAS = {"get_weather": CITY, "add": {"type": "object", "properties": {
+    "a": {"type": "integer"}, "note": {"type": "string"}, "tags": {"type": "array"}}}}
+XML = ("<tool_call>\n<function=add>\n<parameter=a>\n42\n</parameter>\n<parameter=note>\n12, "
+       "<b>not</b> a number\n</parameter>\n<parameter=tags>\n[\"x\"]\n</parameter>\n</function>"
+       "\n</tool_call>")
 CALL = {"name": "get_weather", "arguments": {"city": "Paris"}}
 
 
 def parse(fmt, pieces: list[str]):
-    parser = ToolCallParser(FORMATS[fmt])
+    f = FORMATS[fmt]
+    parser = XmlCallParser(f, SCHEMAS) if f.xml else ToolCallParser(f)
     content, calls = "", []
     for piece in pieces:
         out = parser.feed(piece)
@@ -70,6 +78,9 @@ TWO = [CALL, {"name": "f", "arguments": {}}]
     ("mistral-call-id", '[TOOL_CALLS]get_weather[CALL_ID]a1b2c3d4e[ARGS]{"city": "Rome"}', "",
      [("get_weather", {"city": "Rome"})]),
     ("mistral-args", "[TOOL_CALLS]get_wea", "", []),  # cut before its arguments: no call
+    ("qwen3-coder", "Let me add.\n" + XML, "Let me add.",
+     [("add", {"a": 42, "note": "12, <b>not</b> a number", "tags": ["x"]})]),
+    ("qwen3-coder", "<tool_call>\n<function=f>\n</function>\n</tool_call>", "", [("f", {})]),
 ])
 def test_every_format_parses_alike_at_every_chunking(fmt, text, content, calls):
     assert parse(fmt, [text])[:2] == (content, calls)
@@ -185,3 +196,31 @@ def test_required_calls_in_the_familys_format(family):
         answer = c.chat.completions.create(model=model, messages=turn, tools=[WEATHER],
                                            max_tokens=3, temperature=0)
         assert answer.usage.prompt_tokens > whole.usage.prompt_tokens
+
+
+def test_the_xml_grammar_takes_raw_strings_and_json_values():
+    """Qwen3-Coder's grammar: a string parameter is text up to its closing tag, any other is
+    its schema's JSON; the markup is the template's, <tool_call> its own token."""
+    import llguidance
+
+    from server.engine.grammar import lark_grammar
+
+    tok = make_tokenizer(added=QWEN3_ADDED)
+    llt = llguidance.LLTokenizer(tok.backend_tokenizer.to_str(), n_vocab=len(tok),
+                                 eos_token=[tok.eos_token_id])
+    atoms = {t: f"<[{tok.convert_tokens_to_ids(t)}]>" for t in ("<tool_call>", "</tool_call>")}
+    use = parse_tools([{"type": "function", "function": {"name": "add", "parameters":
+                                                         SCHEMAS["add"]}}], "required", False)
+    grammar = lark_grammar(tool_grammar(use, None, FORMATS["qwen3-coder"], atoms))
+
+    def fits(text: str) -> bool:
+        m = llguidance.LLMatcher(llt, grammar, log_level=0)
+        for t in tok.encode(text, add_special_tokens=False):
+            m.consume_token(t)
+            if m.is_error():
+                return False
+        return m.is_accepting()
+    assert fits(XML)
+    assert fits(XML.replace("<parameter=a>\n42\n</parameter>\n", ""))  # a is optional
+    assert not fits(XML.replace("\n42\n", "\nforty\n"))  # an integer's JSON
+    assert not fits(XML.replace("function=add", "function=sub"))
