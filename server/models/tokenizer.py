@@ -155,7 +155,10 @@ class ReasoningFormat:
 
 
 REASONING_FORMATS = {"think": ReasoningFormat("think", "<think>", "</think>"),
-                     "mistral": ReasoningFormat("mistral", "[THINK]", "[/THINK]")}
+                     "mistral": ReasoningFormat("mistral", "[THINK]", "[/THINK]"),
+                     # gpt-oss: the analysis channel (api/generation/harmony.py splits it)
+                     "harmony": ReasoningFormat("harmony", "<|channel|>analysis<|message|>",
+                                                "<|end|>")}
 REASONING_CHOICES = ("auto", "none", *REASONING_FORMATS)  # serve --reasoning-format
 
 
@@ -164,6 +167,8 @@ def reasoning_format(template: str, choice: str = "auto") -> ReasoningFormat | N
     `choice` names (none: no block)."""
     if choice != "auto":
         return REASONING_FORMATS.get(choice)
+    if "<|channel|>" in template:
+        return REASONING_FORMATS["harmony"]
     for fmt in REASONING_FORMATS.values():
         if fmt.start in template and fmt.end in template:
             return fmt

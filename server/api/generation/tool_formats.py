@@ -13,7 +13,9 @@ the chat template (`serve --tool-format` names one instead):
 - granite: `<|tool_call|>[{"name": ..., "arguments": {...}}, ...]` (Granite 3.x);
 - phi4: `<|tool_call|>[...]<|/tool_call|>` (Phi-4-mini);
 - qwen3-coder: `<tool_call><function=NAME><parameter=KEY>value</parameter></function></tool_call>`,
-  a value raw text (xml_calls.py).
+  a value raw text (xml_calls.py);
+- harmony: gpt-oss's channels, a call a message `<|channel|>commentary to=functions.NAME
+  <|constrain|>json<|message|>{...}` (harmony.py: its thinking and answer are channels too).
 
 A format is data: what opens a block of calls, what closes it (or the end of the reply), whether
 the block holds a list, the key of the arguments. tool_calls.py parses any of them, tools.py
@@ -46,6 +48,7 @@ class ToolFormat:
     args_marker: str | None = None  # the name is text up to it, the arguments follow (Mistral)
     id_marker: str | None = None  # the model writes the call's id between it and args_marker
     xml: bool = False  # Qwen3-Coder's XML calls (xml_calls.py)
+    harmony: bool = False  # gpt-oss's channels (harmony.py)
 
     def call_id(self) -> str:
         """A new call's id, as the family's template takes it back."""
@@ -86,9 +89,12 @@ class ToolFormat:
     @property
     def markers(self) -> tuple[str, ...]:
         """The strings of the format's markup (kept in the text where they are special tokens)."""
+        if self.harmony:
+            return HARMONY_MARKUP
         return tuple(m for m in (self.open, self.close, self.args_marker, self.id_marker) if m)
 
 
+HARMONY_MARKUP = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>")
 HERMES = ToolFormat("hermes", "<tool_call>", "</tool_call>")
 QWEN3_CODER = ToolFormat("qwen3-coder", "<tool_call>", "</tool_call>", xml=True)
 FORMATS = {f.name: f for f in (
@@ -102,6 +108,7 @@ FORMATS = {f.name: f for f in (
     ToolFormat("granite", "<|tool_call|>", None, listed=True),
     ToolFormat("phi4", "<|tool_call|>", "<|/tool_call|>", listed=True),
     QWEN3_CODER,
+    ToolFormat("harmony", "<|channel|>", "<|end|>", harmony=True),
 )}
 CHOICES = ("auto", *FORMATS)  # serve --tool-format
 
@@ -110,6 +117,8 @@ def detect(template: str, choice: str = "auto") -> ToolFormat:
     """The tool-call format of a chat template (`choice`: auto, or a format's name)."""
     if choice != "auto":
         return FORMATS[choice]
+    if "<|channel|>" in template:
+        return FORMATS["harmony"]
     if "[TOOL_CALLS]" in template:
         return FORMATS["mistral-call-id" if "[CALL_ID]" in template else
                        "mistral-args" if "[ARGS]" in template else "mistral"]

@@ -221,6 +221,9 @@ def _native_turns(messages: list[dict[str, Any]], fmt: ToolFormat) -> list[dict[
     template takes them."""
     out = []
     for m in messages:
+        if fmt.harmony and m.get("reasoning_content") and not (
+                m.get("tool_calls") and m["content"]):  # gpt-oss's template reads `thinking`
+            m = dict(m, thinking=m["reasoning_content"])
         if m.get("tool_calls"):
             calls = [{"type": "function", "id": fmt.template_id(c["id"]), "function": {
                 "name": c["function"]["name"],

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from server.api.errors import invalid, unsupported
+from server.api.generation.harmony import HarmonyParser, harmony_grammar
 from server.api.generation.pipeline import (
     off_loop,
     stream_engine,
@@ -24,7 +25,7 @@ from server.api.generation.protocol import ChatRequest
 from server.api.generation.reasoning import ReasoningFormat, ReasoningParser, opened_by
 from server.api.generation.reasoning import with_reasoning as grammar_after_reasoning
 from server.api.generation.structured import compile_grammar, schema_grammar
-from server.api.generation.tool_calls import CallDelta, ToolCallParser, open_tag_start
+from server.api.generation.tool_calls import CallDelta, Parsed, ToolCallParser, open_tag_start
 from server.api.generation.tool_formats import HERMES, ToolFormat
 from server.api.generation.tool_formats import detect as detect_tool_format
 from server.api.generation.tools import tool_grammar, tool_messages
@@ -87,13 +88,15 @@ async def start_turn(state: ServerState, req: ChatRequest, salt: str, priority: 
     prefill = req.messages[-1]["content"] if req.continue_final else ""
     if calls_tools and _opens_a_call(prefill, tool_format):
         raise unsupported(param, "a final assistant message (prefill) with tool-call markup")
-    markup = await off_loop(_markup, state, tool_format.markers) if calls_tools else {}
+    harmony = tool_format.harmony  # gpt-oss: its channels hold thinking, answer and calls
+    markup = (await off_loop(_markup, state, tool_format.markers)
+              if calls_tools or harmony else {})
     if markup:
         params = replace(params, shown_special=tuple(m.id for m in markup.values() if m.hidden))
     fmt = None if req.continue_final else state.reasoning  # a prefill goes on as it is
     block = fmt and await off_loop(_block_state, state, prompt_ids, fmt)
     opened, enabled = block is True, req.thinking.enabled and block is not None
-    thinks = fmt is not None and (opened or enabled)
+    thinks = fmt is not None and (opened or enabled) and not harmony
     budget = _budget(state, fmt, opened, enabled, req.thinking.budget)
     if budget is not None:
         params = replace(params, thinking=budget)
@@ -202,8 +205,12 @@ async def pieces(turn: Turn) -> AsyncIterator[Piece]:
     own: the thinking block first (where the model has one), calls in the rest."""
     thinking: dict[int, ReasoningParser] = {}
     parsers: dict[int, ToolCallParser | XmlCallParser] = {}
+    channels: dict[int, HarmonyParser] = {}
     async for chunk in turn.chunks:
         finish, reasoning, content, num_reasoning = chunk.finish_reason, "", chunk.text, 0
+        if turn.tool_format is not None and turn.tool_format.harmony:
+            yield _harmony_piece(turn, chunk, channels)
+            continue
         if turn.reasoning is not None:
             split = thinking.setdefault(chunk.index, ReasoningParser(turn.reasoning, turn.opened))
             reasoning, content = split.feed(chunk.text)
@@ -224,6 +231,24 @@ async def pieces(turn: Turn) -> AsyncIterator[Piece]:
         yield Piece(chunk, content, calls, finish, reasoning, num_reasoning)
 
 
+def _harmony_piece(turn: Turn, chunk: CompletionChunk, channels: dict[int, HarmonyParser]
+                   ) -> Piece:
+    """A gpt-oss chunk split by its channels (calls only where tools were offered)."""
+    parser = channels.setdefault(chunk.index, HarmonyParser(turn.tool_format))
+    reasoning, parsed = parser.feed(chunk.text)
+    touched, finish = parser.touched, chunk.finish_reason
+    if finish is not None:
+        more, rest = parser.finish()
+        touched |= parser.touched
+        reasoning, parsed = reasoning + more, Parsed(parsed.content + rest.content,
+                                                     parsed.calls + rest.calls)
+        if turn.calls_tools:
+            finish = finish_with_calls(finish, parser)
+    calls = parsed.calls if turn.calls_tools else []
+    return Piece(chunk, parsed.content, calls, finish, reasoning,
+                 len(chunk.token_ids) if touched else 0)
+
+
 def finish_with_calls(reason: str | None, parser: ToolCallParser | XmlCallParser) -> str | None:
     """A choice that ended by itself after calling tools finished with "tool_calls"."""
     return "tool_calls" if reason == "stop" and parser.calls else reason
@@ -234,9 +259,17 @@ def _grammar_text(req: ChatRequest, schema_param: str, thinking: ReasoningFormat
                   atoms: dict[str, str]) -> tuple[str | None, str]:
     """The grammar the answer follows (llguidance's text) and the field it comes from; after
     the thinking block where the model thinks (`thinking`: its format)."""
-    if req.tool_use is not None and req.tool_use.is_active:
-        field = "functions" if req.tool_use.legacy else "tools"
-        lark = tool_grammar(req.tool_use, req.output_schema, tool_format, atoms)
+    use = req.tool_use if req.tool_use is not None and req.tool_use.is_active else None
+    if tool_format.harmony and (use is not None or req.output_schema is not None):
+        tools = [t for t in use.tools if use.choice != "named" or t.name == use.name] if use \
+            else []
+        answer = lark_json(req.output_schema) if req.output_schema is not None else None
+        field = ("functions" if use.legacy else "tools") if use else schema_param
+        return lark_grammar(harmony_grammar(tools, bool(use and use.forced), answer, atoms,
+                                            lark_json)), field
+    if use is not None:
+        field = "functions" if use.legacy else "tools"
+        lark = tool_grammar(use, req.output_schema, tool_format, atoms)
     elif req.output_schema is not None:
         field = schema_param
         if thinking is None:

@@ -11,6 +11,7 @@ import re
 import jsonschema
 import pytest
 
+from server.api.generation.harmony import HarmonyParser
 from server.api.generation.tool_calls import ToolCallParser
 from server.api.generation.tool_formats import FORMATS, detect
 from server.api.generation.tools import parse_tools, tool_grammar, tool_messages
@@ -33,6 +34,9 @@ CASES = {
     "mistral-call-id": ("Mistral-Small-3.2-24B-Instruct-2506",
                         dict(special=("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"))),
     "qwen3-coder": ("Qwen3-Coder", dict(added=QWEN3_ADDED)),
+    "harmony": ("openai-gpt-oss-120b", dict(special=(
+        "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>",
+        "<|call|>"))),
 }
 SCHEMAS = {"get_weather": CITY, "add": {"type": "object", "properties": {
     "a": {"type": "integer"}, "note": {"type": "string"}, "tags": {"type": "array"}}}}
@@ -44,6 +48,8 @@ CALL = {"name": "get_weather", "arguments": {"city": "Paris"}}
 
 def parse(fmt, pieces: list[str]):
     f = FORMATS[fmt]
+    if f.harmony:
+        return parse_harmony(pieces)[1:]
     parser = XmlCallParser(f, SCHEMAS) if f.xml else ToolCallParser(f)
     content, calls = "", []
     for piece in pieces:
@@ -87,6 +93,38 @@ def test_every_format_parses_alike_at_every_chunking(fmt, text, content, calls):
     for i in range(1, len(text)):
         assert parse(fmt, [text[:i], text[i:]])[:2] == (content, calls), i
     assert parse(fmt, list(text))[:2] == (content, calls)
+
+
+def parse_harmony(pieces: list[str]):
+    """(reasoning, content, calls, the parser's calls) of gpt-oss's text fed in pieces."""
+    parser = HarmonyParser(FORMATS["harmony"])
+    thought, content = "", ""
+    for piece in [*pieces, None]:
+        r, out = parser.feed(piece) if piece is not None else parser.finish()
+        thought, content = thought + r, content + out.content
+    return thought, content, [(c.name, json.loads(c.arguments)) for c in parser.calls], \
+        parser.calls
+
+
+HARMONY_CALL = ("<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant"
+                "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+                '{"city": "Paris"}')
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("<|channel|>analysis<|message|>Two and two.<|end|><|start|>assistant<|channel|>final"
+     "<|message|>Four.", ("Two and two.", "Four.", [])),
+    (HARMONY_CALL, ("Need the weather.", "", [("get_weather", {"city": "Paris"})])),
+    ("<|start|>assistant to=functions.f<|channel|>commentary json<|message|>{}",
+     ("", "", [("f", {})])),  # the recipient before the channel, as the template writes it
+    ("<|channel|>analysis<|message|>Cut off wh", ("Cut off wh", "", [])),
+    ("Plain text, no channels.", ("", "Plain text, no channels.", [])),
+])
+def test_harmony_channels_split_alike_at_every_chunking(text, expected):
+    assert parse_harmony([text])[:3] == expected
+    for i in range(1, len(text)):
+        assert parse_harmony([text[:i], text[i:]])[:3] == expected, i
+    assert parse_harmony(list(text))[:3] == expected
 
 
 def test_mistral_call_ids_are_nine_letters_and_digits():
@@ -224,3 +262,17 @@ def test_the_xml_grammar_takes_raw_strings_and_json_values():
     assert fits(XML.replace("<parameter=a>\n42\n</parameter>\n", ""))  # a is optional
     assert not fits(XML.replace("\n42\n", "\nforty\n"))  # an integer's JSON
     assert not fits(XML.replace("function=add", "function=sub"))
+
+
+def test_a_schema_answer_in_every_family(family):
+    """response_format: the answer validates, without markup (gpt-oss's on its final channel,
+    after its analysis)."""
+    from openai import OpenAI
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": CITY}}
+    with OpenAI(base_url=f"{family.url}/v1", api_key="x", max_retries=0, timeout=60) as c:
+        got = c.chat.completions.create(
+            model=f"tiny-{family.fmt}:bf16", messages=history("x")[:1], response_format=fmt,
+            max_tokens=60, temperature=0, extra_body={"max_reasoning_tokens": 4})
+    jsonschema.validate(json.loads(got.choices[0].message.content), CITY)
+    assert got.choices[0].finish_reason == "stop"
