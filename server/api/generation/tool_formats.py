@@ -11,7 +11,8 @@ the chat template (`serve --tool-format` names one instead):
   mistral-call-id: `[TOOL_CALLS]name[CALL_ID]id[ARGS]{...}` (Mistral Small 3.2: the model
   writes the id);
 - granite: `<|tool_call|>[{"name": ..., "arguments": {...}}, ...]` (Granite 3.x);
-- phi4: `<|tool_call|>[...]<|/tool_call|>` (Phi-4-mini);
+- phi4: `<|tool_call|>[...]<|/tool_call|>` (Phi-4-mini, whose template takes the tool list as
+  the system message's `tools`, a JSON string);
 - qwen3-coder: `<tool_call><function=NAME><parameter=KEY>value</parameter></function></tool_call>`,
   a value raw text (xml_calls.py);
 - harmony: gpt-oss's channels, a call a message `<|channel|>commentary to=functions.NAME
@@ -49,6 +50,7 @@ class ToolFormat:
     id_marker: str | None = None  # the model writes the call's id between it and args_marker
     xml: bool = False  # Qwen3-Coder's XML calls (xml_calls.py)
     harmony: bool = False  # gpt-oss's channels (harmony.py)
+    tools_in_system: bool = False  # the tool list goes in the system message (Phi-4-mini's)
 
     def call_id(self) -> str:
         """A new call's id, as the family's template takes it back."""
@@ -106,7 +108,7 @@ FORMATS = {f.name: f for f in (
     ToolFormat("mistral-call-id", "[TOOL_CALLS]", None, id_length=9, args_marker="[ARGS]",
                id_marker="[CALL_ID]"),
     ToolFormat("granite", "<|tool_call|>", None, listed=True),
-    ToolFormat("phi4", "<|tool_call|>", "<|/tool_call|>", listed=True),
+    ToolFormat("phi4", "<|tool_call|>", "<|/tool_call|>", listed=True, tools_in_system=True),
     QWEN3_CODER,
     ToolFormat("harmony", "<|channel|>", "<|end|>", harmony=True),
 )}
@@ -122,8 +124,10 @@ def detect(template: str, choice: str = "auto") -> ToolFormat:
     if "[TOOL_CALLS]" in template:
         return FORMATS["mistral-call-id" if "[CALL_ID]" in template else
                        "mistral-args" if "[ARGS]" in template else "mistral"]
+    if "message['tools']" in template or "<|/tool_call|>" in template:
+        return FORMATS["phi4"]
     if "<|tool_call|>" in template:
-        return FORMATS["phi4" if "<|/tool_call|>" in template else "granite"]
+        return FORMATS["granite"]
     if "<function=" in template and "<parameter=" in template:
         return QWEN3_CODER
     if "<|python_tag|>" in template or '"parameters": dictionary of argument name' in template:

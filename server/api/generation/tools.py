@@ -193,6 +193,11 @@ def tool_messages(messages: list[dict[str, Any]], use: ToolUse | None, template:
         return out, None
     specs = [{"type": "function", "function": {"name": t.name, "description": t.description,
                                                "parameters": t.parameters}} for t in use.tools]
+    if fmt.tools_in_system:  # the system message's `tools`: a JSON list of the functions
+        listed = json.dumps([s["function"] for s in specs], ensure_ascii=False)
+        if out and out[0]["role"] == "system":
+            return [dict(out[0], tools=listed), *out[1:]], None
+        return [{"role": "system", "content": "", "tools": listed}, *out], None
     if native_tools:
         return out, specs
     return _with_system(out, hermes_system_prompt(specs)), None

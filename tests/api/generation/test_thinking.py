@@ -8,6 +8,7 @@ with chat's greedy answer to the same prompt."""
 from __future__ import annotations
 
 import json
+from typing import Literal
 
 import httpx
 import jsonschema
@@ -30,7 +31,7 @@ def serve_thinker(template: str, root) -> ServerProcess:
     tok = make_tokenizer(added=QWEN3_ADDED)
     tok.chat_template = template
     folder = root / "qwen3-thinking"
-    hf_model("qwen3", seed=5).save_pretrained(folder, safe_serialization=True)
+    hf_model("qwen3", seed=5, max_position_embeddings=4096).save_pretrained(folder)
     tok.save_pretrained(folder)
     pull_into(root / "home", folder)
     proc = ServerProcess(root / "home", [MODEL, "--kv-cache-mb", "32", "--max-reasoning-tokens",
@@ -272,3 +273,66 @@ def test_a_block_the_prompt_opened(opener):
         off = c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4,
                                         temperature=0, reasoning_effort="none")
         assert off.usage.completion_tokens_details.reasoning_tokens == 0
+
+
+def weather(city: Literal["Paris", "Rome"]) -> str:
+    """The weather in a city."""
+    return f"Sunny in {city}."
+
+
+def test_the_openai_agents_sdk_runs_a_tool_loop_on_a_thinking_model(thinker):
+    """The agent thinks (the server's budget closes it), calls the tool (required), and the
+    tool's result ends the run; no reasoning reached the content the SDK kept."""
+    import asyncio
+
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
+    from openai import AsyncOpenAI
+
+    set_tracing_disabled(True)
+    client = AsyncOpenAI(base_url=f"{thinker.url}/v1", api_key="x", max_retries=0)
+    agent = Agent(name="weather", instructions="Use the tool.", tools=[function_tool(weather)],
+                  model=OpenAIChatCompletionsModel(model=MODEL, openai_client=client),
+                  model_settings=ModelSettings(tool_choice="required", temperature=0,
+                                               max_tokens=120, parallel_tool_calls=False),
+                  tool_use_behavior="stop_on_first_tool")
+    result = asyncio.run(Runner.run(agent, "Weather in Paris?"))
+    assert result.final_output in ("Sunny in Paris.", "Sunny in Rome.")
+    said = json.dumps([item.raw_item.model_dump() if hasattr(item.raw_item, "model_dump")
+                       else item.raw_item for item in result.new_items], default=str)
+    assert "<think>" not in said and "</think>" not in said
+
+
+def test_a_langchain_agent_runs_a_tool_loop_on_a_thinking_model(thinker):
+    """LangChain's agent: its first model turn must call (a middleware asks for it), the tool
+    runs, the next turn sees the result; no reasoning in any message's content."""
+    from langchain.agents import create_agent
+    from langchain.agents.middleware import wrap_model_call
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    @wrap_model_call
+    def call_first(request, handler):
+        first = not any(m.type == "tool" for m in request.messages)
+        return handler(request.override(tool_choice="any") if first else request)
+
+    llm = ChatOpenAI(model=MODEL, base_url=f"{thinker.url}/v1", api_key="x", temperature=0,
+                     max_tokens=120, max_retries=0)
+    agent = create_agent(llm, tools=[tool(weather)], middleware=[call_first])
+    seen = []
+    try:  # the second turn may call again (tool_choice auto): the limit bounds the loop
+        for state in agent.stream({"messages": [("user", "Weather in Paris?")]},
+                                  {"recursion_limit": 6}, stream_mode="values"):
+            seen = state["messages"]
+    except Exception as e:  # noqa: BLE001 - only the limit may end it
+        assert type(e).__name__ == "GraphRecursionError", e
+    calls = [m for m in seen if getattr(m, "tool_calls", None)]
+    results = [m for m in seen if m.type == "tool"]
+    assert calls and results and results[0].content in ("Sunny in Paris.", "Sunny in Rome.")
+    assert not any("<think>" in str(m.content) or "</think>" in str(m.content) for m in seen)

@@ -34,10 +34,19 @@ CASES = {
     "mistral-call-id": ("Mistral-Small-3.2-24B-Instruct-2506",
                         dict(special=("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"))),
     "qwen3-coder": ("Qwen3-Coder", dict(added=QWEN3_ADDED)),
+    "phi4": (None, dict(special=("<|tool_call|>", "<|/tool_call|>"))),  # PHI4_MINI below
     "harmony": ("openai-gpt-oss-120b", dict(special=(
         "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>",
         "<|call|>"))),
 }
+# Phi-4-mini-instruct's chat template (its tokenizer_config.json; llama.cpp keeps none): the
+# tool list is the system message's `tools`, a JSON string
+PHI4_MINI = (
+    "{% for message in messages %}{% if message['role'] == 'system' and 'tools' in message and "
+    "message['tools'] is not none %}{{ '<|' + message['role'] + '|>' + message['content'] + "
+    "'<|tool|>' + message['tools'] + '<|/tool|>' + '<|end|>' }}{% else %}{{ '<|' + "
+    "message['role'] + '|>' + message['content'] + '<|end|>' }}{% endif %}{% endfor %}{% if "
+    "add_generation_prompt %}{{ '<|assistant|>' }}{% else %}{{ eos_token }}{% endif %}")
 SCHEMAS = {"get_weather": CITY, "add": {"type": "object", "properties": {
     "a": {"type": "integer"}, "note": {"type": "string"}, "tags": {"type": "array"}}}}
 XML = ("<tool_call>\n<function=add>\n<parameter=a>\n42\n</parameter>\n<parameter=note>\n12, "
@@ -137,9 +146,14 @@ def test_mistral_call_ids_are_nine_letters_and_digits():
     assert fmt.template_id("a1b2c3d4e") == "a1b2c3d4e"
 
 
+def template(real_template, fmt: str) -> str:
+    stem = CASES[fmt][0]
+    return real_template(stem) if stem else PHI4_MINI
+
+
 @pytest.mark.parametrize("fmt", CASES)
 def test_the_format_is_the_templates(real_template, fmt):
-    assert detect(real_template(CASES[fmt][0])).name == fmt
+    assert detect(template(real_template, fmt)).name == fmt
 
 
 def history(call_id: str) -> list[dict]:
@@ -162,7 +176,7 @@ def test_a_call_and_its_result_render_as_transformers_renders_them(real_template
     from server.models.tokenizer import Tokenizer
 
     tok = make_tokenizer(**CASES[fmt][1])
-    tok.chat_template = real_template(CASES[fmt][0])
+    tok.chat_template = template(real_template, fmt)
     tok.save_pretrained(tmp_path)
     ours = Tokenizer(tmp_path)
     f = FORMATS[fmt]
@@ -176,10 +190,13 @@ def test_a_call_and_its_result_render_as_transformers_renders_them(real_template
     turn = {"role": "assistant", "content": "", "tool_calls": [hf_call]}
     if "tool_calls" not in ours.chat_template:  # Granite 3: the call as the model writes it
         turn = {"role": "assistant", "content": f.call_text(history(call_id)[1]["tool_calls"])}
+    hf = [history(call_id)[0], turn, {"role": "tool", "tool_call_id": call_id,
+                                      "content": "Sunny, 21 C."}]
+    if fmt == "phi4":  # as its model card writes it: the functions in the system message
+        hf = [{"role": "system", "content": "", "tools": json.dumps([WEATHER["function"]])},
+              *hf]
     want = AutoTokenizer.from_pretrained(tmp_path).apply_chat_template(
-        [history(call_id)[0], turn, {"role": "tool", "tool_call_id": call_id,
-                                     "content": "Sunny, 21 C."}],
-        tools=[WEATHER], add_generation_prompt=True, tokenize=False, enable_thinking=True)
+        hf, tools=[WEATHER], add_generation_prompt=True, tokenize=False, enable_thinking=True)
     assert got == want
     assert "Sunny, 21 C." in got and "Paris" in got
 
@@ -189,7 +206,7 @@ def family(request, real_template, tmp_path_factory):
     fmt = request.param
     root = tmp_path_factory.mktemp(fmt)
     tok = make_tokenizer(**CASES[fmt][1])
-    tok.chat_template = real_template(CASES[fmt][0])
+    tok.chat_template = template(real_template, fmt)
     folder = root / f"tiny-{fmt}"
     hf_model("qwen3", seed=7, vocab_size=len(tok) + 3,
              max_position_embeddings=8192).save_pretrained(folder)
