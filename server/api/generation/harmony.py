@@ -19,7 +19,7 @@ import json
 import re
 from typing import Any
 
-from server.api.generation.tool_calls import Call, CallDelta, Parsed, _tag_start
+from server.api.generation.tool_calls import Call, CallDelta, Parsed, tag_start
 from server.api.generation.tool_formats import ToolFormat
 
 START, END, MESSAGE, CHANNEL, CONSTRAIN = (
@@ -78,7 +78,7 @@ class HarmonyParser:
             return self._header(out)
         i = self._text.find(END)
         if i < 0:
-            ready = self._text[:len(self._text) - _tag_start(self._text, END)]
+            ready = self._text[:len(self._text) - tag_start(self._text, END)]
             self._body(ready, out, thought)
             self._text = self._text[len(ready):]
             return False

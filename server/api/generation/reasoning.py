@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from server.api.errors import invalid
+from server.api.generation.tool_calls import tag_start
 from server.models.tokenizer import ReasoningFormat
 
 
@@ -113,7 +114,7 @@ class ReasoningParser:
                 out[0] += self._text[:i].rstrip()
                 self._text, self.state = self._text[i + len(end):], AFTER
                 return True
-            ready = self._text[:len(self._text) - _tag_start(self._text, end)]
+            ready = self._text[:len(self._text) - tag_start(self._text, end)]
             said = ready.rstrip()  # blanks wait: they may end the block
             out[0] += said
             self._text = self._text[len(said):]
@@ -126,14 +127,6 @@ class ReasoningParser:
         out[1] += self._text
         self._text = ""
         return False
-
-
-def _tag_start(text: str, tag: str) -> int:
-    """The length of the tail of `text` that may be the start of `tag` (0: none)."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
-    return 0
 
 
 # -- how much a request may think ----------------------------------------------------------------

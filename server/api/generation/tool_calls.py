@@ -52,7 +52,23 @@ class Parsed:
     calls: list[CallDelta] = field(default_factory=list)
 
 
-class ToolCallParser:
+class StepParser:
+    """Text fed in pieces, decided a step at a time (`_step`: False when it needs more)."""
+
+    _text: str
+
+    def feed(self, text: str) -> Parsed:
+        out = Parsed()
+        self._text += text
+        while self._step(out):
+            pass
+        return out
+
+    def _step(self, out: Parsed) -> bool:
+        raise NotImplementedError
+
+
+class ToolCallParser(StepParser):
     def __init__(self, fmt: ToolFormat = HERMES) -> None:
         self.fmt = fmt
         self._head_re = _head(fmt.args_key)
@@ -66,13 +82,6 @@ class ToolCallParser:
         self._streamed = False  # this tag's calls stream (the grammar's shape)
         self._gap = ""  # the blanks before the open tag
         self._opening = ""  # the open tag as written ("" for a bare call)
-
-    def feed(self, text: str) -> Parsed:
-        out = Parsed()
-        self._text += text
-        while self._step(out):
-            pass
-        return out
 
     def finish(self) -> Parsed:
         """The end of the output: whatever was held back (a block that ends with the reply
@@ -118,7 +127,7 @@ class ToolCallParser:
             out.content += before
             self._open_block(self._text[len(before):i], self._text[i + len(opening):], opening)
             return True
-        keep = _tag_start(self._text, opening)  # a tail that may be the start of the opening
+        keep = tag_start(self._text, opening)  # a tail that may be the start of the opening
         ready = self._text[:len(self._text) - keep]
         stripped = ready.rstrip()  # whitespace waits: it may only separate calls
         if stripped:
@@ -276,7 +285,7 @@ def _json_text(value: Any) -> str:
     return text
 
 
-def _tag_start(text: str, tag: str) -> int:
+def tag_start(text: str, tag: str) -> int:
     """The length of the tail of `text` that may be the start of `tag` (0: none)."""
     for k in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:k]):
@@ -286,7 +295,7 @@ def _tag_start(text: str, tag: str) -> int:
 
 def open_tag_start(text: str, fmt: ToolFormat = HERMES) -> int:
     """The length of the tail of `text` that may be the start of a block's opening."""
-    return _tag_start(text, fmt.open)
+    return tag_start(text, fmt.open)
 
 
 def openai_deltas(pieces: list[CallDelta]) -> list[dict]:

@@ -21,7 +21,7 @@ import json
 import re
 from typing import Any
 
-from server.api.generation.tool_calls import Call, CallDelta, Parsed, _tag_start
+from server.api.generation.tool_calls import Call, CallDelta, Parsed, StepParser, tag_start
 from server.api.generation.tool_formats import ToolFormat
 
 FUNCTION = re.compile(r"\s*<function=([^>\n]+)>\n?")
@@ -29,7 +29,7 @@ PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>\n?")
 END_VALUE, END_FUNCTION = "</parameter>", "</function>"
 
 
-class XmlCallParser:
+class XmlCallParser(StepParser):
     def __init__(self, fmt: ToolFormat, schemas: dict[str, dict[str, Any]]) -> None:
         self.fmt = fmt
         self.schemas = schemas  # tool name -> its parameters' schema
@@ -37,13 +37,6 @@ class XmlCallParser:
         self._text = ""
         self._where = "out"  # out, block (after <tool_call>), call (inside <function=...>)
         self._num_params = 0
-
-    def feed(self, text: str) -> Parsed:
-        out = Parsed()
-        self._text += text
-        while self._step(out):
-            pass
-        return out
 
     def finish(self) -> Parsed:
         """The end: held-back text; a call cut before its end is dropped with its markup."""
@@ -58,7 +51,7 @@ class XmlCallParser:
         if self._where == "out":
             i = text.find(self.fmt.open)
             if i < 0:
-                ready = text[:len(text) - _tag_start(text, self.fmt.open)].rstrip()
+                ready = text[:len(text) - tag_start(text, self.fmt.open)].rstrip()
                 out.content += ready
                 self._text = text[len(ready):]
                 return False
