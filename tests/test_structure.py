@@ -104,7 +104,8 @@ def test_a_circle_put_back_is_found(tmp_path):
 # layer or of its own package, never a sibling package of its layer (openai and anthropic
 # never import each other), never a higher one. Top-level modules of server/api are the
 # shared plumbing (layer 0), but app.py joins everything.
-API_LAYERS = {"": 0, "generation": 1, "openai": 2, "anthropic": 2, "rerank": 2, "ops": 2,
+API_LAYERS = {"": 0, "generation": 1, "openai": 2, "anthropic": 2, "ollama": 2, "rerank": 2,
+              "ops": 2,
               "batch": 3, "app": 4}
 
 

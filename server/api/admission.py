@@ -21,7 +21,7 @@ from starlette.responses import JSONResponse, Response
 
 from server.api.body import read_json
 from server.api.errors import APIError, invalid
-from server.api.sse import sse_response
+from server.api.sse import ndjson_response, sse_response
 from server.api.state import ServerState
 from server.engine.sequence import PRIORITY_INTERACTIVE
 
@@ -68,7 +68,10 @@ class Admission:
     def stream(self, events: AsyncIterator[dict[str, Any]], dialect: str) -> Response:
         """Reply with server-sent events (in `dialect`); the place goes with the stream."""
         handed, self.holds_place = self.holds_place, False
-        return sse_response(events, self.state.release if handed else _nothing, dialect)
+        on_close = self.state.release if handed else _nothing
+        if dialect == "ollama":
+            return ndjson_response(events, on_close)
+        return sse_response(events, on_close, dialect)
 
     async def answer(self, request: Request, work: Awaitable[dict[str, Any]]) -> Response:
         """Reply with what `work` returns as JSON; cancelled if the client leaves first."""

@@ -14,7 +14,7 @@ from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from server.api import anthropic, batch, openai, ops, rerank
+from server.api import anthropic, batch, ollama, openai, ops, rerank
 from server.api.auth import AuthMiddleware
 from server.api.batch.worker import BatchWorker
 from server.api.errors import (
@@ -135,7 +135,8 @@ def create_app(settings: ServerSettings, state: ServerState | None = None) -> St
         state.db.close()
 
     app = Starlette(
-        routes=[*ops.ROUTES, *openai.ROUTES, *anthropic.ROUTES, *rerank.ROUTES, *batch.ROUTES],
+        routes=[*ops.ROUTES, *openai.ROUTES, *anthropic.ROUTES, *ollama.ROUTES, *rerank.ROUTES,
+                *batch.ROUTES],
         # CORS outermost: a browser's preflight carries no key, and errors (401 included)
         # need the headers too, or the page cannot read them.
         middleware=[Middleware(CORSMiddleware, allow_origins=list(settings.cors_origins),

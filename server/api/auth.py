@@ -1,5 +1,6 @@
-"""Key auth for /v1/* and /metrics (/health stays open); the key names the tenant. The key
-comes as `Authorization: Bearer KEY` (OpenAI's clients) or `x-api-key: KEY` (Anthropic's)."""
+"""Key auth for /v1/*, Ollama's /api/* and /metrics (/health stays open); the key names the
+tenant. The key comes as `Authorization: Bearer KEY` (OpenAI's clients, and Ollama's given the
+header) or `x-api-key: KEY` (Anthropic's)."""
 
 from __future__ import annotations
 
@@ -29,8 +30,8 @@ class AuthMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
-        if scope["type"] == "http" and self.api_keys and (path.startswith("/v1")
-                                                          or path in KEYED_PATHS):
+        if scope["type"] == "http" and self.api_keys and (
+                path.startswith(("/v1", "/api/")) or path in KEYED_PATHS):
             headers = Headers(scope=scope)
             key = self._key(headers.get("authorization"), headers.get("x-api-key"))
             if key is None:

@@ -1,5 +1,6 @@
 """One error shape for every failure, OpenAI's: {"error": {message, type, param, code}};
-under /v1/messages, Anthropic's: {"type": "error", "error": {type, message}}.
+under /v1/messages, Anthropic's: {"type": "error", "error": {type, message}}; under /api/,
+Ollama's: {"error": message}.
 
 Handlers raise APIError; the exception handlers below turn it (and Starlette's own HTTP
 errors, and anything unexpected) into the body of the route's API. Nothing a client sends may
@@ -41,6 +42,11 @@ _ANTHROPIC_TYPES = {
     429: "rate_limit_error",
     503: "overloaded_error",
 }
+
+
+def speaks_ollama(path: str) -> bool:
+    """Ollama's native routes: errors as its `{"error": message}`."""
+    return path.startswith("/api/")
 
 
 def speaks_anthropic(path: str) -> bool:
@@ -85,7 +91,8 @@ class APIError(Exception):
 
     def response(self, path: str = "") -> JSONResponse:
         """The error as the API of `path` writes it."""
-        body = self.anthropic_body() if speaks_anthropic(path) else self.body()
+        body = (self.anthropic_body() if speaks_anthropic(path) else
+                {"error": self.message} if speaks_ollama(path) else self.body())
         return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 

@@ -1,0 +1,82 @@
+"""Ollama's model routes: GET /api/tags (the store), GET /api/ps (what is loaded), POST
+/api/show (one model's details and template), GET /api/version, and POST /api/embed (and the
+older /api/embeddings) over the embeddings path."""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from server.api.body import read_json
+from server.api.errors import APIError, invalid
+from server.api.state import ServerState
+from storage.models import ModelStore, StoredModel
+
+VERSION = "0.12.0"  # the Ollama API version whose shapes these follow (clients check it)
+
+
+def _details(manifest: dict[str, Any]) -> dict[str, Any]:
+    bits = manifest.get("bits")
+    params = manifest.get("num_parameters") or 0
+    size = f"{params / 1e9:.1f}B" if params >= 1e9 else f"{params / 1e6:.0f}M"
+    family = str(manifest.get("config", {}).get("model_type") or manifest.get("architecture"))
+    return {"parent_model": "", "format": "safetensors", "family": family,
+            "families": [family], "parameter_size": size,
+            "quantization_level": {4: "Q4", 8: "Q8"}.get(bits, "BF16")}
+
+
+def _entry(model: StoredModel) -> dict[str, Any]:
+    digest = hashlib.sha256("".join(sorted(model.manifest["files"].values())).encode())
+    return {"name": model.name, "model": model.name,
+            "modified_at": model.manifest.get("created_at"), "size": model.size_bytes,
+            "digest": digest.hexdigest(), "details": _details(model.manifest)}
+
+
+async def tags(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    return JSONResponse({"models": [_entry(m) for m in ModelStore(state.home).list()]})
+
+
+async def ps(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    if state.engine is None:
+        return JSONResponse({"models": []})
+    loaded = _entry(ModelStore(state.home).resolve(state.served_name)) if state.manifest else {
+        "name": state.served_name, "model": state.served_name, "size": 0, "digest": "",
+        "details": {}}
+    far = dt.datetime(2262, 1, 1, tzinfo=dt.UTC).isoformat()  # loaded for as long as it serves
+    return JSONResponse({"models": [loaded | {"expires_at": far, "size_vram": 0,
+                                              "context_length": state.max_request_tokens}]})
+
+
+async def show(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    body = await read_json(request, state.settings.max_body_bytes)
+    name = body.get("model") or body.get("name") if isinstance(body, dict) else None
+    if not isinstance(name, str):
+        raise invalid("model", "model is required")
+    try:
+        model = ModelStore(state.home).resolve(name)
+    except Exception:  # noqa: BLE001 - any name the store does not hold
+        raise APIError(404, f"model '{name}' not found") from None
+    template = model.manifest.get("tokenizer", {}).get("chat_template") or ""
+    if state.tokenizer is not None and state.serves(name):
+        template = getattr(state.tokenizer, "chat_template", None) or template
+    capabilities = ["completion"] + (["tools"] if "tools" in template else []) + (
+        ["thinking"] if state.reasoning is not None and state.serves(name) else [])
+    config = model.manifest.get("config", {})
+    return JSONResponse({
+        "modelfile": f"FROM {model.name}\n", "parameters": "", "template": template,
+        "details": _details(model.manifest), "capabilities": capabilities,
+        "model_info": {"general.architecture": model.manifest.get("architecture"),
+                       "general.parameter_count": model.manifest.get("num_parameters"),
+                       "context_length": config.get("max_position_embeddings")},
+        "modified_at": model.manifest.get("created_at")})
+
+
+async def version(request: Request) -> Response:
+    return JSONResponse({"version": VERSION})
