@@ -14,4 +14,6 @@ ROUTES = [
     Route("/api/ps", models.ps, methods=["GET"]),
     Route("/api/show", models.show, methods=["POST"]),
     Route("/api/version", models.version, methods=["GET"]),
+    Route("/api/embed", models.embed_inputs, methods=["POST"]),
+    Route("/api/embeddings", models.embed_inputs, methods=["POST"]),
 ]

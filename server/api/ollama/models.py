@@ -6,13 +6,21 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import time
+from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from server.api.admission import admit, read_request
+from server.api.auth import tenant
 from server.api.body import read_json
 from server.api.errors import APIError, invalid
+from server.api.fields import Fields
+from server.api.generation.embedding import embed
+from server.api.ollama.protocol import keep_alive
 from server.api.state import ServerState
 from storage.models import ModelStore, StoredModel
 
@@ -80,3 +88,48 @@ async def show(request: Request) -> Response:
 
 async def version(request: Request) -> Response:
     return JSONResponse({"version": VERSION})
+
+
+@dataclass(slots=True)
+class EmbedRequest:
+    model: str
+    inputs: list[str | list[int]]
+    dimensions: int | None
+    legacy: bool  # /api/embeddings: `prompt` in, one `embedding` out
+    stream: bool = False
+
+
+def parse_embed(body: dict[str, Any], vocab_size: int, legacy: bool = False) -> EmbedRequest:
+    f = Fields(body)
+    model = f.str("model", required=True)
+    name = "prompt" if legacy else "input"
+    value = f.raw(name)
+    inputs = [value] if isinstance(value, str) else value
+    if not isinstance(inputs, list) or not inputs or not all(
+            isinstance(x, str) and x for x in inputs):
+        raise invalid(name, f"{name}: expected a non-empty string or list of strings")
+    dimensions = f.int("dimensions", lo=1)
+    f.bool("truncate", True)  # inputs longer than the context are refused, never cut
+    keep_alive(f.raw("keep_alive"))
+    if f.raw("options") is not None and not isinstance(f.raw("options"), dict):
+        raise invalid("options", "options: expected an object")
+    f.check_unknown()
+    return EmbedRequest(model, inputs, dimensions, legacy)
+
+
+async def embed_inputs(request: Request) -> Response:
+    """POST /api/embed ({"embeddings": [...]}) and /api/embeddings ({"embedding": [...]})."""
+    legacy = request.url.path.endswith("/embeddings")
+    state, req = await read_request(request, partial(parse_embed, legacy=legacy))
+    async with admit(state, req, tenant(request), generates=False) as place:
+        started = time.monotonic()
+
+        async def work() -> dict[str, Any]:
+            got = await embed(state, req.inputs, req.dimensions, place.owner, place.priority,
+                              "prompt" if legacy else "input")
+            if legacy:
+                return {"embedding": got.vectors[0]}
+            return {"model": state.served_name, "embeddings": got.vectors,
+                    "total_duration": int((time.monotonic() - started) * 1e9),
+                    "load_duration": 0, "prompt_eval_count": got.num_tokens}
+        return await place.answer(request, work())

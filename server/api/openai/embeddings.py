@@ -1,19 +1,11 @@
-"""POST /v1/embeddings: one vector per input, from the same engine as generation.
-
-Each input is a prefill-only request through the scheduler (it batches with chats and never
-stalls them); its final hidden states (after the model's last norm) are pooled. An embedding
-model pools as its sentence-transformers files say (for example last-token and normalized, as
-Qwen3-Embedding); a chat model pools by the mean over the input's tokens, normalized to unit
-length. `dimensions` shortens the vector (then renormalized) only for Matryoshka models; for
-others it must equal the model's size. `encoding_format` "base64" sends the little-endian
-float32 bytes, as OpenAI does (the openai client asks for it by default).
+"""POST /v1/embeddings: one vector per input, from the same engine as generation (how inputs
+are embedded and pooled: generation/embedding.py). `encoding_format` "base64" sends the
+little-endian float32 bytes, as OpenAI does (the openai client asks for it by default).
 """
 
 from __future__ import annotations
 
-import asyncio
 import base64
-import math
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -25,11 +17,8 @@ from server.api.admission import Admission, admit, read_request
 from server.api.auth import tenant
 from server.api.errors import invalid
 from server.api.fields import Fields
-from server.api.generation.pipeline import off_loop
+from server.api.generation.embedding import embed
 from server.api.state import ServerState
-from server.api.wire import new_id
-from server.engine.scheduler import RequestTooLargeError
-from server.engine.sequence import PRIORITY_INTERACTIVE, Pooling, SamplingParams
 
 MAX_INPUTS = 2048  # OpenAI's limit per request
 
@@ -83,14 +72,6 @@ def _inputs(v: Any, vocab_size: int) -> list[str | list[int]]:
     return inputs
 
 
-def model_pooling(state: ServerState) -> tuple[Pooling, bool]:
-    """(how this model pools, whether it may shorten vectors)."""
-    p = state.pooling
-    if p is None:
-        return Pooling("mean", normalize=True), False
-    return Pooling(p["mode"], p["normalize"]), bool(p.get("matryoshka"))
-
-
 async def create_embeddings(request: Request) -> Response:
     state, req = await read_request(request, parse_embeddings)
     async with admit(state, req, tenant(request), generates=False) as place:
@@ -100,65 +81,24 @@ async def create_embeddings(request: Request) -> Response:
 
 async def start_embeddings(state: ServerState, req: EmbeddingRequest, place: Admission
                            ) -> EmbeddingRun:
-    """The inputs checked (dimensions, context) and tokenized; the run embeds them."""
-    engine = state.ready_engine()
-    pooling, matryoshka = model_pooling(state)
-    size = engine.hidden_size
-    if req.dimensions is not None and req.dimensions != size and not (
-            matryoshka and req.dimensions < size):
-        what = f"at most {size}" if matryoshka else f"only {size} (the model's size: it is not "\
-            "a Matryoshka model)"
-        raise invalid("dimensions", f"This model's embeddings have {what} dimensions; got "
-                      f"{req.dimensions}.")
-    ids = await off_loop(_tokenize, state.tokenizer, req.inputs)
-    for i, x in enumerate(ids):
-        try:
-            engine.check(len(x), SamplingParams(max_tokens=0))
-        except RequestTooLargeError as e:
-            raise invalid("input", f"input[{i}]: {e}", code="context_length_exceeded") from None
-    return EmbeddingRun(state, req, place, pooling, ids)
+    return EmbeddingRun(state, req, place)
 
 
 class EmbeddingRun:
-    """One embeddings request: each input a prefill-only engine request, pooled."""
+    """One embeddings request (generation/embedding.py) in OpenAI's shape."""
 
-    def __init__(self, state: ServerState, req: EmbeddingRequest, place: Admission,
-                 pooling: Pooling, ids: list[list[int]]) -> None:
-        self.state, self.req, self.place, self.pooling, self.ids = state, req, place, pooling, ids
+    def __init__(self, state: ServerState, req: EmbeddingRequest, place: Admission) -> None:
+        self.state, self.req, self.place = state, req, place
 
     async def collect(self) -> dict[str, Any]:
-        state, req, ids, pooling = self.state, self.req, self.ids, self.pooling
-        owner, priority = self.place.owner, self.place.priority
-        rid = new_id("emb")
-        vectors = await asyncio.gather(*(
-            state.ready_engine().embed(x, pooling, priority, owner, f"{rid}-{i}")
-            for i, x in enumerate(ids)))
-        num_tokens = sum(map(len, ids))
-        if priority == PRIORITY_INTERACTIVE:  # batch lines count when their result is stored
-            state.usage.add(owner, "interactive", state.served_name, num_tokens, 0, 0)
-            state.usage_added()
+        req = self.req
+        got = await embed(self.state, req.inputs, req.dimensions, self.place.owner,
+                          self.place.priority)
         data = [{"object": "embedding", "index": i,
-                 "embedding": _encode(_shorten(v, req.dimensions, pooling.normalize),
-                                      req.encoding_format)} for i, v in enumerate(vectors)]
-        return {"object": "list", "data": data, "model": state.served_name,
-                "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
-
-
-def _tokenize(tokenizer: Any, inputs: list[str | list[int]]) -> list[list[int]]:
-    """Text as the model's tokenizer writes it, special tokens included (an embedding model's
-    end-of-text token is part of what it pools)."""
-    return [x if isinstance(x, list) else tokenizer.encode(x, add_special_tokens=True)
-            for x in inputs]
-
-
-def _shorten(vector: list[float], dimensions: int | None, normalize: bool) -> list[float]:
-    if dimensions is None or dimensions >= len(vector):
-        return vector
-    head = vector[:dimensions]
-    if not normalize:
-        return head
-    norm = math.sqrt(sum(x * x for x in head)) or 1.0
-    return [x / norm for x in head]
+                 "embedding": _encode(v, req.encoding_format)}
+                for i, v in enumerate(got.vectors)]
+        return {"object": "list", "data": data, "model": self.state.served_name,
+                "usage": {"prompt_tokens": got.num_tokens, "total_tokens": got.num_tokens}}
 
 
 def _encode(vector: list[float], encoding: str) -> list[float] | str:

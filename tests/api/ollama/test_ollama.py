@@ -88,3 +88,13 @@ def test_errors_are_ollamas(ollama_client, server):
                      headers={"Authorization": f"Bearer {API_KEY}"})
     assert bad.status_code == 400 and bad.json() == {"error": "options.top_k: expected a number"}
     assert httpx.get(f"{server.url}/api/tags").status_code == 401  # the key, as /v1's
+
+
+def test_embed_gives_the_vectors_v1_embeddings_gives(ollama_client, client):
+    want = client.embeddings.create(model=MODEL, input=["the sea", "a story"],
+                                    encoding_format="float")
+    got = ollama_client.embed(model=MODEL, input=["the sea", "a story"])
+    assert got.embeddings == [d.embedding for d in want.data]
+    assert got.prompt_eval_count == want.usage.prompt_tokens
+    assert ollama_client.embeddings(model=MODEL, prompt="the sea").embedding == \
+        want.data[0].embedding
