@@ -129,3 +129,33 @@ def test_a_draw_at_the_very_top_never_hands_out_a_masked_token(monkeypatch):
     for k in (2, 3, 4):
         got = sampler(logits.clone(), seqs(SamplingParams(temperature=1.0, top_k=k)))
         assert got.token_ids.item() in logits[0].topk(k).indices.tolist()
+
+
+def test_a_spent_thinking_budget_writes_the_closing_tag_once_the_grammar_allows_it():
+    """Budget 1: after the opening tag (token 3) and one token the sampler writes the closing
+    tag (token 4) in place of the argmax (1) -- unless the sequence's grammar forbids it there
+    (inside a character whose bytes span tokens), then the model's token stands, and the tag
+    comes at the next step the grammar allows it."""
+    from server.engine.thinking import ThinkingBudget
+
+    params = SamplingParams(temperature=0.0, thinking=ThinkingBudget((3,), (4,), budget=1))
+    sampler = Sampler(5)
+    s = seqs(params, tokens=(0,))[0]
+    s.thinking.accept(3)  # the block opened
+    assert sampler(LOGITS.clone(), [s]).token_ids.tolist() == [1]  # within the budget
+    s.thinking.accept(1)
+    assert sampler(LOGITS.clone(), [s]).token_ids.tolist() == [4]  # spent: the tag
+
+    class Refusing:  # a grammar state whose mask allows only token 2 this step
+        is_finished = False
+        num_consumed = 0
+
+    s.grammar = Refusing()
+    only_2 = torch.zeros(1, 5, dtype=torch.bool)
+    only_2[0, 2] = True
+    sampler.grammar_masks.masks = lambda states: only_2
+    assert sampler(LOGITS.clone(), [s]).token_ids.tolist() == [2]  # not yet: the mask's token
+    only_4 = torch.zeros(1, 5, dtype=torch.bool)
+    only_4[0, 4] = True
+    sampler.grammar_masks.masks = lambda states: only_4 | only_2
+    assert sampler(LOGITS.clone(), [s]).token_ids.tolist() == [4]
