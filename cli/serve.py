@@ -88,8 +88,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--reasoning-format", default="auto",
                    choices=REASONING_CHOICES,
                    help="the thinking block's tags: auto (default: from the chat template), "
-                   "none (never split off), think (<think>...</think>) or mistral "
-                   "([THINK]...[/THINK])")
+                   "none (never split off), think (<think>...</think>), mistral "
+                   "([THINK]...[/THINK]), gemma (<|channel>thought...<channel|>) or harmony "
+                   "(gpt-oss's analysis channel)")
     p.add_argument("--tool-format", default="auto",
                    choices=TOOL_FORMATS,
                    help="how the model writes tool calls: auto (default: from the chat "

@@ -156,6 +156,7 @@ class ReasoningFormat:
 
 REASONING_FORMATS = {"think": ReasoningFormat("think", "<think>", "</think>"),
                      "mistral": ReasoningFormat("mistral", "[THINK]", "[/THINK]"),
+                     "gemma": ReasoningFormat("gemma", "<|channel>thought", "<channel|>"),
                      # gpt-oss: the analysis channel (api/generation/harmony.py splits it)
                      "harmony": ReasoningFormat("harmony", "<|channel|>analysis<|message|>",
                                                 "<|end|>")}

@@ -2,7 +2,8 @@
 
 A template family's block is known by its tags, found in the chat template (a serve flag can
 name it instead; models/tokenizer.py): `<think>...</think>` (Qwen3, SmolLM3, DeepSeek-R1 and
-its distills, QwQ, Phi-4-reasoning) or `[THINK]...[/THINK]` (Magistral). The output opens the
+its distills, QwQ, Phi-4-reasoning), `[THINK]...[/THINK]` (Magistral) or Gemma 4's
+`<|channel>thought...<channel|>`; gpt-oss's channels are harmony.py's. The output opens the
 block itself, or the generation prompt already did (DeepSeek-R1 distills, Qwen3.5: the output
 has no opening tag).
 `ReasoningParser` splits one choice's text into reasoning and content as it streams; a whole

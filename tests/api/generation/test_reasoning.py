@@ -79,6 +79,36 @@ def test_detect(template, choice, name):
     assert (fmt.name if fmt else None) == name
 
 
+@pytest.mark.parametrize("stem,name,on,off", [
+    # a real template's block, and where its generation prompt leaves it with thinking on and
+    # off (True: open, the output starts inside; None: an empty block, closed; False: not begun)
+    ("Qwen-Qwen3-0.6B", "think", False, None),
+    ("HuggingFaceTB-SmolLM3-3B", "think", False, None),
+    ("Qwen3.5-4B", "think", True, None),
+    ("Qwen-QwQ-32B", "think", True, None),
+    ("deepseek-ai-DeepSeek-R1-Distill-Llama-8B", "think", True, True),  # off: the budget's 0
+    ("NVIDIA-Nemotron-Nano-v2", "think", True, True),
+    ("mistralai-Ministral-3-14B-Reasoning-2512", "mistral", False, False),
+    ("google-gemma-4-31B-it", "gemma", False, None),
+    ("openai-gpt-oss-120b", "harmony", False, False),
+    ("meta-llama-Llama-3.2-3B-Instruct", None, None, None),
+])
+def test_real_templates_blocks(real_template, stem, name, on, off):
+    from server.models.tokenizer import compile_chat_template
+
+    source = real_template(stem)
+    fmt = detect(source)
+    assert (fmt.name if fmt else None) == name
+    if fmt is None:
+        return
+    template = compile_chat_template(source)
+    for enabled, want in ((True, on), (False, off)):
+        text = template.render(messages=[{"role": "user", "content": "hi"}],
+                               add_generation_prompt=True, enable_thinking=enabled, tools=None,
+                               bos_token="<s>", eos_token="</s>")
+        assert opened_by(fmt, text) is want, (enabled, text[-60:])
+
+
 def test_opened_by_the_generation_prompt():
     assert opened_by(THINK, "<|im_start|>assistant\n<think>\n") is True
     assert opened_by(THINK, "<|im_start|>assistant\n<think>\n\n</think>\n\n") is None
