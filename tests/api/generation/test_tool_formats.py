@@ -156,6 +156,17 @@ def test_the_format_is_the_templates(real_template, fmt):
     assert detect(template(real_template, fmt)).name == fmt
 
 
+@pytest.mark.parametrize("stem,fmt", [
+    ("meta-llama-Llama-3.1-8B-Instruct", "llama3"), ("meta-llama-Llama-3.3-70B-Instruct", "llama3"),
+    ("NousResearch-Hermes-3-Llama-3.1-8B-tool_use", "hermes"),
+    ("Qwen-Qwen2.5-7B-Instruct", "hermes"), ("HuggingFaceTB-SmolLM3-3B", "hermes"),
+    ("Qwen3.5-4B", "qwen3-coder"), ("ibm-granite-granite-4.0", "hermes"),
+    ("mistralai-Ministral-3-14B-Reasoning-2512", "mistral-args"),
+])
+def test_more_families_formats(real_template, stem, fmt):
+    assert detect(real_template(stem)).name == fmt
+
+
 def history(call_id: str) -> list[dict]:
     """A turn that called the tool and got its result, as the client sends it back."""
     return [{"role": "user", "content": "Weather in Paris?"},
