@@ -93,17 +93,11 @@ async def start_turn(state: ServerState, req: ChatRequest, salt: str, priority: 
               if calls_tools or harmony else {})
     if markup:
         params = replace(params, shown_special=tuple(m.id for m in markup.values() if m.hidden))
-    fmt = None if req.continue_final else state.reasoning  # a prefill goes on as it is
-    block = fmt and await off_loop(_block_state, state, prompt_ids, fmt)
-    opened, enabled = block is True, req.thinking.enabled and block is not None
-    thinks = fmt is not None and (opened or enabled) and not harmony
-    budget = _budget(state, fmt, opened, enabled, req.thinking.budget)
-    if budget is not None:
-        params = replace(params, thinking=budget)
-    tags = await off_loop(_tag_tokens, state, fmt) if thinks else (None, None)
+    block = await _thinking_block(state, req, prompt_ids, harmony)
+    if block.budget is not None:
+        params = replace(params, thinking=block.budget)
     atoms = {text: f"<[{m.id}]>" for text, m in markup.items() if m.special}
-    grammar, where = _grammar_text(req, schema_param, fmt if thinks else None, opened, tags,
-                                   tool_format, atoms)
+    grammar, where = _grammar_text(req, schema_param, block, tool_format, atoms)
     if grammar is not None:
         compiled = await compile_grammar(state, grammar, where)
         if prefill:  # the reply goes on from it: so does the grammar
@@ -113,7 +107,35 @@ async def start_turn(state: ServerState, req: ChatRequest, salt: str, priority: 
     rid = request_id or new_id("chatcmpl")
     chunks = stream_engine(state, prompt_ids, params, rid, salt, priority)
     schemas = {t.name: t.parameters for t in req.tool_use.tools} if calls_tools else {}
-    return Turn(rid, len(prompt_ids), chunks, calls_tools, fmt, opened, tool_format, schemas)
+    return Turn(rid, len(prompt_ids), chunks, calls_tools, block.fmt, block.opened, tool_format,
+                schemas)
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    """The request's thinking block: its format (None: the model has none, or a prefill goes
+    on as it is), whether the prompt opened it, whether the model thinks before what a grammar
+    constrains (`thinks`: the grammar starts with the block, its tags named `tags`), and the
+    engine's budget."""
+
+    fmt: ReasoningFormat | None = None
+    opened: bool = False
+    thinks: bool = False
+    tags: tuple[str | None, str | None] = (None, None)
+    budget: ThinkingBudget | None = None
+
+
+async def _thinking_block(state: ServerState, req: ChatRequest, prompt_ids: list[int],
+                          harmony: bool) -> Block:
+    fmt = None if req.continue_final else state.reasoning
+    if fmt is None:
+        return Block()
+    where = await off_loop(_block_state, state, prompt_ids, fmt)
+    opened, enabled = where is True, req.thinking.enabled and where is not None
+    thinks = (opened or enabled) and not harmony  # harmony's grammar holds its own channel
+    tags = await off_loop(_tag_tokens, state, fmt) if thinks else (None, None)
+    budget = _budget(state, fmt, opened, enabled, req.thinking.budget)
+    return Block(fmt, opened, thinks, tags, budget)
 
 
 def tool_format_of(state: ServerState) -> ToolFormat:
@@ -156,12 +178,10 @@ def _block_state(state: ServerState, prompt_ids: list[int], fmt: ReasoningFormat
     return opened_by(fmt, state.tokenizer.decode(prompt_ids[-16:]))
 
 
-def _budget(state: ServerState, fmt: ReasoningFormat | None, opened: bool, enabled: bool,
+def _budget(state: ServerState, fmt: ReasoningFormat, opened: bool, enabled: bool,
             asked: int | None) -> ThinkingBudget | None:
     """The engine's thinking budget: the request's (`asked`), else the server's; none where
     thinking is off, so that a block the model opens anyway closes at once."""
-    if fmt is None:
-        return None
     budget = 0 if not enabled else (
         asked if asked is not None else state.settings.max_reasoning_tokens)
     if budget is None:
@@ -254,11 +274,10 @@ def finish_with_calls(reason: str | None, parser: ToolCallParser | XmlCallParser
     return "tool_calls" if reason == "stop" and parser.calls else reason
 
 
-def _grammar_text(req: ChatRequest, schema_param: str, thinking: ReasoningFormat | None,
-                  opened: bool, tags: tuple[str | None, str | None], tool_format: ToolFormat,
+def _grammar_text(req: ChatRequest, schema_param: str, block: Block, tool_format: ToolFormat,
                   atoms: dict[str, str]) -> tuple[str | None, str]:
     """The grammar the answer follows (llguidance's text) and the field it comes from; after
-    the thinking block where the model thinks (`thinking`: its format)."""
+    the thinking block where the model thinks first."""
     use = req.tool_use if req.tool_use is not None and req.tool_use.is_active else None
     if tool_format.harmony and (use is not None or req.output_schema is not None):
         tools = [t for t in use.tools if use.choice != "named" or t.name == use.name] if use \
@@ -272,13 +291,13 @@ def _grammar_text(req: ChatRequest, schema_param: str, thinking: ReasoningFormat
         lark = tool_grammar(use, req.output_schema, tool_format, atoms)
     elif req.output_schema is not None:
         field = schema_param
-        if thinking is None:
+        if not block.thinks:
             return schema_grammar(req.output_schema, schema_param), schema_param
         lark = f"start: {lark_json(req.output_schema)}"
     else:
         return None, ""
-    if lark is not None and thinking is not None:
-        lark = grammar_after_reasoning(lark, thinking, opened, tags)
+    if lark is not None and block.thinks:
+        lark = grammar_after_reasoning(lark, block.fmt, block.opened, block.tags)
     return (lark_grammar(lark) if lark is not None else None), field
 
 
