@@ -152,8 +152,10 @@ class Database:
                 "completion": str, "messages": str,
             }, pk="id", if_not_exists=True)
             db["chat_completions"].create_index(["tenant", "created_at"], if_not_exists=True)
+            if "parent" not in db["message_threads"].columns_dict:  # a development version's
+                db["message_threads"].drop(ignore=True)
             db["message_threads"].create({
-                "id": str, "tenant": str, "created_at": int, "conversation": str,
+                "id": str, "tenant": str, "created_at": int, "parent": str, "messages": str,
                 "fields": str, "continued_by": str,
             }, pk="id", if_not_exists=True)
             db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")

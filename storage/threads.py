@@ -1,10 +1,12 @@
-"""Anthropic's message threads (beta): the conversation a message ends, held under the message's
-id, so that the next turn sends only its new messages (`thread: {"type": "continue",
-"previous_message_id": ...}`), and the fields a thread keeps from the turn that created it
-(its `system` and `tools`, as sent). A thread is a line: a message is continued once. While a
-request continues it the message is claimed (`continued_by` names the new message, which is
-stored when its reply is whole); a request that fails gives its claim back, and a crash's
-claims are given back at start.
+"""Anthropic's message threads (beta): what a message adds to its conversation (the turn's new
+messages and the reply), held under the message's id with the id it continues, so the next turn
+sends only its new messages (`thread: {"type": "continue", "previous_message_id": ...}`) and a
+conversation of N turns takes N rows, not N copies of itself. A row also keeps the fields a
+thread holds from the turn that created it (its `system` and `tools`, as sent). A thread is a
+line: a message is continued once. While a request continues it the message is claimed
+(`continued_by` names the new message, which is stored when its reply is whole); a request that
+fails gives its claim back, a crash's claims are given back at start, and messages untouched
+for THREAD_DAYS are dropped then (a thread that lost one is not found: the SDK replays it).
 
 Every method runs on the database thread (call it through Database.run / Database.call).
 """
@@ -16,6 +18,8 @@ import time
 from typing import Any
 
 from storage.db import Database
+
+THREAD_DAYS = 30
 
 
 class ThreadError(Exception):
@@ -31,48 +35,38 @@ class ThreadStore:
     def __init__(self, db: Database) -> None:
         self.db = db
 
-    def put(self, tenant: str, message_id: str, conversation: list[dict[str, Any]],
-            fields: dict[str, Any] | None = None) -> None:
+    def put(self, tenant: str, message_id: str, parent: str | None,
+            messages: list[dict[str, Any]], fields: dict[str, Any] | None = None) -> None:
+        """`message_id` continues `parent` (None: a new thread) with `messages`."""
         with self.db.transaction() as db:
             db["message_threads"].insert({
                 "id": message_id, "tenant": tenant, "created_at": int(time.time()),
-                "conversation": json.dumps(conversation, ensure_ascii=False),
+                "parent": parent, "messages": json.dumps(messages, ensure_ascii=False),
                 "fields": json.dumps(fields or {}, ensure_ascii=False),
                 "continued_by": None}, replace=True)
 
     def fields(self, tenant: str, message_id: str) -> dict[str, Any]:
         """The fields the thread keeps (system, tools); ThreadError where there is none."""
-        rows = list(self.db.db.query("select fields from message_threads where id = ? and "
-                                     "tenant = ?", [message_id, tenant]))
-        if not rows:
-            raise ThreadError("thread_not_found")
-        return json.loads(rows[0]["fields"])
+        return json.loads(self._row(self.db.db, tenant, message_id)["fields"])
+
+    def conversation(self, tenant: str, message_id: str) -> list[dict[str, Any]]:
+        """The whole conversation `message_id` ends; ThreadError where a part of it is gone."""
+        return self._conversation(self.db.db, tenant, message_id)
 
     def claim(self, tenant: str, previous_id: str, message_id: str) -> list[dict[str, Any]]:
         """The conversation `previous_id` ends, now claimed by `message_id`; ThreadError where
         there is none, or another message continued it or is continuing it."""
         with self.db.transaction() as db:
-            row = next(iter(db.query("select conversation, continued_by from message_threads "
-                                     "where id = ? and tenant = ?", [previous_id, tenant])),
-                       None)
-            if row is None:
-                raise ThreadError("thread_not_found")
+            row = self._row(db, tenant, previous_id)
             if row["continued_by"] is not None:
                 done = next(iter(db.query("select 1 from message_threads where id = ?",
                                           [row["continued_by"]])), None)
                 raise ThreadError("thread_already_continued" if done else
                                   "thread_continue_in_flight")
+            conversation = self._conversation(db, tenant, previous_id)
             db.execute("update message_threads set continued_by = ? where id = ?",
                        [message_id, previous_id])
-            return json.loads(row["conversation"])
-
-    def conversation(self, tenant: str, previous_id: str) -> list[dict[str, Any]]:
-        """The conversation `previous_id` ends, unclaimed (counting tokens); ThreadError."""
-        rows = list(self.db.db.query("select conversation from message_threads where id = ? "
-                                     "and tenant = ?", [previous_id, tenant]))
-        if not rows:
-            raise ThreadError("thread_not_found")
-        return json.loads(rows[0]["conversation"])
+            return conversation
 
     def release(self, previous_id: str, message_id: str) -> None:
         """`message_id` failed: `previous_id` may be continued again."""
@@ -81,8 +75,27 @@ class ThreadStore:
                        "continued_by = ?", [previous_id, message_id])
 
     def release_unfinished(self) -> int:
-        """Give back the claims of messages that were never stored (a crash); at start."""
+        """At start: give back the claims of messages never stored (a crash), and drop the
+        messages older than THREAD_DAYS. Returns the claims given back."""
         with self.db.transaction() as db:
+            db.execute("delete from message_threads where created_at < ?",
+                       [int(time.time()) - THREAD_DAYS * 86400])
             return db.execute(
                 "update message_threads set continued_by = null where continued_by is not null "
                 "and continued_by not in (select id from message_threads)").rowcount
+
+    @staticmethod
+    def _row(db: Any, tenant: str, message_id: str) -> dict[str, Any]:
+        row = next(iter(db.query("select * from message_threads where id = ? and tenant = ?",
+                                 [message_id, tenant])), None)
+        if row is None:
+            raise ThreadError("thread_not_found")
+        return row
+
+    def _conversation(self, db: Any, tenant: str, message_id: str) -> list[dict[str, Any]]:
+        parts, at = [], message_id
+        while at is not None:
+            row = self._row(db, tenant, at)
+            parts.append(json.loads(row["messages"]))
+            at = row["parent"]
+        return [m for part in reversed(parts) for m in part]

@@ -1,8 +1,9 @@
 """Message threads (beta, `thread` in a Messages body; the SDK's tool runner sends it): the
-server holds the conversation under each reply's id, so a turn that continues it sends only its
-new messages. `{"type": "create"}` starts one; `{"type": "continue", "previous_message_id"}`
-claims the previous message (storage/threads.py) and runs on its conversation. The reply,
-once whole, is stored as the conversation's end; a request that fails or is cut off gives the
+server holds the conversation under each reply's id, so a turn that continues it sends only
+its new messages. `{"type": "create"}` starts one; `{"type": "continue", "previous_message_id"}`
+claims the previous message (storage/threads.py: each turn's part, chained to the one before)
+and runs on its conversation. The turn's messages and its reply, once whole, are stored as the
+conversation's next part; a request that fails or is cut off gives the
 claim back. Refusals carry Anthropic's `error.details.error_code`, which the SDK recovers from
 (it replays the whole conversation under a new thread)."""
 
@@ -29,16 +30,16 @@ class Thread:
     where its reply goes."""
 
     def __init__(self, state: ServerState, owner: str, message_id: str, previous: str | None,
-                 conversation: list[dict[str, Any]], fields: dict[str, Any]) -> None:
+                 new: list[dict[str, Any]], fields: dict[str, Any]) -> None:
         self.state, self.owner, self.message_id = state, owner, message_id
-        self.previous, self.conversation, self.fields = previous, conversation, fields
+        self.previous, self.new, self.fields = previous, new, fields  # new: this turn's messages
         self.closed = False
 
     async def done(self, reply: dict[str, Any]) -> None:
         if not self.closed:
             self.closed = True
             await self.state.db.run(self.state.threads.put, self.owner, self.message_id,
-                                    [*self.conversation, reply], self.fields)
+                                    self.previous, [*self.new, reply], self.fields)
 
     async def failed(self) -> None:
         if not self.closed:
@@ -68,7 +69,7 @@ async def open_thread(state: ServerState, req: ChatRequest, owner: str, message_
         except ThreadError as e:
             raise _refusal(e.code, previous) from None
     return (replace(req, messages=[*system, *history, *new]),
-            Thread(state, owner, message_id, previous, [*history, *new], fields))
+            Thread(state, owner, message_id, previous, new, fields))
 
 
 async def thread_fields(state: ServerState, body: Any, owner: str) -> Any:

@@ -3,13 +3,15 @@ and the SDK's own tool runner (which threads by default) looping against the ser
 
 from __future__ import annotations
 
+import json
 import sqlite3
+import time
 
 import httpx
 import pytest
 
 from storage.db import Database
-from storage.threads import ThreadError, ThreadStore
+from storage.threads import THREAD_DAYS, ThreadError, ThreadStore
 from tests.api.conftest import API_KEY, MODEL
 
 WEATHER = {"name": "get_weather", "description": "The weather in a city.",
@@ -21,8 +23,9 @@ def test_a_message_is_continued_once(tmp_path):
     db = Database(tmp_path / "localserve.db")
     store = ThreadStore(db)
     try:
-        turn = [{"role": "user", "content": "Hi"}]
-        db.call(store.put, "alice", "msg_1", turn)
+        turn = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]
+        more = [{"role": "user", "content": "And?"}, {"role": "assistant", "content": "So."}]
+        db.call(store.put, "alice", "msg_1", None, turn)
         with pytest.raises(ThreadError, match="thread_not_found"):
             db.call(store.claim, "bob", "msg_1", "msg_2")  # another tenant's
         assert db.call(store.claim, "alice", "msg_1", "msg_2") == turn
@@ -30,12 +33,31 @@ def test_a_message_is_continued_once(tmp_path):
             db.call(store.claim, "alice", "msg_1", "msg_3")
         db.call(store.release, "msg_1", "msg_2")  # msg_2 failed
         assert db.call(store.claim, "alice", "msg_1", "msg_3") == turn
-        db.call(store.put, "alice", "msg_3", turn * 2)
+        db.call(store.put, "alice", "msg_3", "msg_1", more)  # its part, after msg_1's
         with pytest.raises(ThreadError, match="thread_already_continued"):
             db.call(store.claim, "alice", "msg_1", "msg_4")
-        assert db.call(store.claim, "alice", "msg_3", "msg_5") == turn * 2
+        assert db.call(store.claim, "alice", "msg_3", "msg_5") == turn + more
         assert db.call(store.release_unfinished) == 1  # msg_5 never came (a crash)
-        assert db.call(store.claim, "alice", "msg_3", "msg_6") == turn * 2
+        assert db.call(store.claim, "alice", "msg_3", "msg_6") == turn + more
+        rows = db.call(lambda: [json.loads(r["messages"]) for r in db.db.query(
+            "select messages from message_threads order by id")])
+        assert rows == [turn, more]  # each turn's part once, not the conversation again
+    finally:
+        db.close()
+
+
+def test_old_messages_go_and_their_threads_are_not_found(tmp_path):
+    db = Database(tmp_path / "localserve.db")
+    store = ThreadStore(db)
+    try:
+        db.call(store.put, "alice", "msg_1", None, [{"role": "user", "content": "Hi"}])
+        db.call(store.put, "alice", "msg_2", "msg_1", [{"role": "user", "content": "And?"}])
+        old = int(time.time()) - (THREAD_DAYS + 1) * 86400
+        db.call(lambda: db.db.execute("update message_threads set created_at = ? where id = ?",
+                                      [old, "msg_1"]))
+        db.call(store.release_unfinished)
+        with pytest.raises(ThreadError, match="thread_not_found"):  # its first part is gone
+            db.call(store.claim, "alice", "msg_2", "msg_3")
     finally:
         db.close()
 
