@@ -99,6 +99,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="the most tokens a thinking block may take unless a request says "
                    "(max_reasoning_tokens, thinking.budget_tokens); then the engine closes it "
                    "and the answer follows (default: no limit)")
+    p.add_argument("--keep-alive", type=float, default=300.0, metavar="SECONDS",
+                   help="how long a model loaded on demand (a request named another stored "
+                   "model) stays after its last request; -1: for good (default 300)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads for the model (default: torch's, one per core)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: auto)")
@@ -132,6 +135,7 @@ FLAGS = {
     "batch_discount": ("--batch-discount", "batch_discount"),
     "grammar_timeout": ("--grammar-timeout", "grammar_timeout"),
     "max_reasoning_tokens": ("--max-reasoning-tokens", "max_reasoning_tokens"),
+    "keep_alive": ("--keep-alive", "keep_alive"),
 }
 
 
@@ -173,7 +177,8 @@ def run(args: argparse.Namespace) -> int:
             cors_origins=tuple(args.allow_origin or ()),
             generation_config=args.generation_config,
             reasoning_format=args.reasoning_format,
-            max_reasoning_tokens=args.max_reasoning_tokens, tool_format=args.tool_format)
+            max_reasoning_tokens=args.max_reasoning_tokens, tool_format=args.tool_format,
+            keep_alive=None if args.keep_alive < 0 else args.keep_alive)
     except ConfigError as e:
         flag, value = FLAGS.get(e.field, (e.field, None))
         given = f", got {getattr(args, value)}" if value else ""

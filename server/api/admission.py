@@ -29,12 +29,15 @@ from server.engine.sequence import PRIORITY_INTERACTIVE
 async def read_request(request: Request, parse: Callable[[dict, int], Any],
                        prepare: Callable[[ServerState, Any], Awaitable[Any]] | None = None
                        ) -> tuple[ServerState, Any]:
-    """The server's state and the body parsed by `parse` (a 400 names the field); 503 while
-    the model loads (parsing needs its vocabulary). `prepare`: what the body needs from the
-    server's store before it is parsed (a thread's fields)."""
+    """The state of the model the body names (held.py) and the body parsed by `parse` (a 400
+    names the field); 503 while the first model loads (parsing needs its vocabulary).
+    `prepare`: what the body needs from the server's store before it is parsed (a thread's
+    fields)."""
     state: ServerState = request.app.state.server
     body = await read_json(request, state.settings.max_body_bytes)
     state.ready_engine()
+    # the model the body names: the first, or one held beside it (loaded now if need be)
+    state = await state.held.view_for(body.get("model") if isinstance(body, dict) else None)
     if prepare is not None:
         body = await prepare(state, body)
     return state, parse(body, state.vocab_size)

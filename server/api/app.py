@@ -69,7 +69,7 @@ def load_into(state: ServerState) -> None:
 
         torch.set_num_threads(s.threads)
     stored = ModelStore().resolve(s.model)
-    engine = load_engine(stored, s.engine, s.device, s.dtype)
+    engine = load_engine(stored, s.engine, s.device, s.dtype, state.held.step_lock)
     defaults, origin = {}, None
     if s.generation_config == "auto":
         defaults, origin = sampling_defaults(stored.path, stored.manifest.get("alias", ""))
@@ -122,14 +122,17 @@ def create_app(settings: ServerSettings, state: ServerState | None = None) -> St
         await state.db.run(state.threads.release_unfinished)
         task = asyncio.create_task(load())
         sampler = asyncio.create_task(dashboard.sample_throughput(state))
+        reaper = asyncio.create_task(state.held.run_reaper())
         yield
         sampler.cancel()
+        reaper.cancel()
         if not task.done():
             task.cancel()
         await background.stop_all(state)  # stored failed: they cannot finish now
         if state.worker is not None:
             await state.worker.stop()
         await state.flush_usage()
+        await state.held.close()
         if state.engine is not None:
             await asyncio.to_thread(state.engine.shutdown)
         state.db.close()

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from server.api.errors import APIError, invalid, model_not_found
+from server.api.held import HeldModels
 from server.api.metrics import ApiMetrics, Throughput
 from server.api.usage import Prices, UsageMeter
 from server.engine.async_engine import AsyncEngine
@@ -67,6 +68,8 @@ class ServerSettings:
     # (api/generation/reasoning.py); the most tokens a block may take (None: no limit)
     reasoning_format: str = "auto"
     max_reasoning_tokens: int | None = None
+    # Seconds a model loaded on demand is kept after its last request (None: for good)
+    keep_alive: float | None = 300.0
     # How tool calls are written: "auto" (from the chat template) or a format's name
     # (api/generation/tool_formats.py; the CLI checks the name)
     tool_format: str = "auto"
@@ -76,7 +79,7 @@ class ServerSettings:
                  "batch_max_running", "max_file_bytes", "max_batch_lines")
         at_least(self, 0, "drain_timeout")
         at_least(self, 0.001, "grammar_timeout")
-        at_least(self, 0, "max_reasoning_tokens")
+        at_least(self, 0, "max_reasoning_tokens", "keep_alive")
         if self.reasoning_format not in REASONING_CHOICES:
             raise ConfigError("reasoning_format",
                               f"must be one of {', '.join(REASONING_CHOICES)}")
@@ -124,6 +127,7 @@ class ServerState:
         self.conversations = ConversationStore(self.db)
         self.chat_completions = ChatCompletionStore(self.db)
         self.threads = ThreadStore(self.db)
+        self.held = HeldModels(self)  # the models beside the first, loaded on demand
         self.background: dict[str, Any] = {}  # background responses by id (openai/background.py)
         self.worker: Wakeable | None = None  # the BatchWorker, once the model is loaded
         self.grammars: GrammarCompiler | None = None  # once the model is loaded

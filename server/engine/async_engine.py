@@ -45,8 +45,12 @@ class AsyncEngine:
     """
 
     def __init__(self, engine: Engine | Callable[[], Engine], tokenizer: Any,
-                 eos_token_ids: tuple[int, ...]) -> None:
+                 eos_token_ids: tuple[int, ...], step_lock: threading.Lock | None = None
+                 ) -> None:
         self.tokenizer = tokenizer
+        # Held around each step: the engines of the models a server holds take turns, so
+        # their thread teams never share the cores at once
+        self._step_lock = step_lock or threading.Lock()
         self.eos_token_ids = eos_token_ids
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.output = OutputProcessor()
@@ -201,7 +205,8 @@ class AsyncEngine:
             idle_since = None
             t = time.perf_counter()
             try:
-                step = engine.step()
+                with self._step_lock:
+                    step = engine.step()
             except Exception as e:  # a failed step fails its requests, never the thread
                 self._fail_all(e)
                 continue
@@ -252,10 +257,10 @@ def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
 
 def load_engine(
     stored, config: EngineConfig | None = None, device: str | None = None,
-    dtype: str | None = None,
+    dtype: str | None = None, step_lock: threading.Lock | None = None,
 ) -> AsyncEngine:
     """Load a stored model and its tokenizer into an AsyncEngine (device/dtype by name or
-    automatic)."""
+    automatic; `step_lock`: the one its steps share with other models' engines)."""
     from server.models.device import pick_device, pick_dtype
     from server.models.loader import load_model
     from server.models.tokenizer import load_tokenizer
@@ -274,4 +279,4 @@ def load_engine(
         return engine
 
     eos = tuple(stored.manifest["tokenizer"]["eos_token_ids"])
-    return AsyncEngine(build, load_tokenizer(stored), eos)
+    return AsyncEngine(build, load_tokenizer(stored), eos, step_lock)

@@ -38,7 +38,9 @@ def client(real_server):
 
 
 def test_default_model_is_served_and_answers_paris(client):
-    assert [m.id for m in client.models.list().data] == ["smollm2-135m:int4"]
+    listed = client.models.list().data  # the store, the served model first and loaded
+    assert (listed[0].id, listed[0].model_extra["loaded"]) == ("smollm2-135m:int4", True)
+    assert all(not m.model_extra["loaded"] for m in listed[1:])
     r = client.chat.completions.create(
         model="smollm2-135m", messages=[{"role": "user", "content": "Name the capital of France."}],
         max_tokens=24, temperature=0)  # a wide-margin prompt (tests/test_real_model.py)

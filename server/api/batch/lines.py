@@ -54,6 +54,7 @@ async def answer_line(state: ServerState, endpoint: str, body: dict[str, Any], o
                       ) -> dict[str, Any]:
     """The answer to one line's body, at batch priority."""
     spec = ENDPOINTS[endpoint]
+    state = await state.held.view_for(body.get("model"))  # loaded now if need be
     req = spec.parse(body, state.vocab_size)
     async with admit(state, req, owner, PRIORITY_BATCH, spec.generates) as place:
         run = await spec.start(state, req, place)

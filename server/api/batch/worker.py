@@ -181,9 +181,9 @@ class BatchWorker:
         if not isinstance(body, dict):
             return _error("invalid_body", "body", "The body must be a JSON object.")
         model = body.get("model")
-        if not self.state.serves(model):
+        if not self.state.serves(model) and not self.state.held.has(model):
             return _error("model_not_found", "body.model", f"The model {model!r} is not "
-                          f"served here (this server serves {self.state.served_name!r}).")
+                          "in this server's store.")
         return custom_id, json.dumps(body, ensure_ascii=False)
 
     # -- running -----------------------------------------------------------------------------

@@ -50,15 +50,26 @@ async def tags(request: Request) -> Response:
 
 
 async def ps(request: Request) -> Response:
+    """The loaded models: the first (held for good), then those loaded on demand (their expiry:
+    their last request plus the keep-alive)."""
     state: ServerState = request.app.state.server
     if state.engine is None:
         return JSONResponse({"models": []})
-    loaded = _entry(ModelStore(state.home).resolve(state.served_name)) if state.manifest else {
-        "name": state.served_name, "model": state.served_name, "size": 0, "digest": "",
-        "details": {}}
-    far = dt.datetime(2262, 1, 1, tzinfo=dt.UTC).isoformat()  # loaded for as long as it serves
-    return JSONResponse({"models": [loaded | {"expires_at": far, "size_vram": 0,
-                                              "context_length": state.max_request_tokens}]})
+    store = ModelStore(state.home)
+    far = dt.datetime(2262, 1, 1, tzinfo=dt.UTC)
+    now, keep = time.monotonic(), state.settings.keep_alive
+    models = []
+    for view in [state, *state.held.views.values()]:
+        expires = far if view is state or keep is None else dt.datetime.now(dt.UTC) + \
+            dt.timedelta(seconds=max(0.0, view.last_used + keep - now))
+        try:
+            entry = _entry(store.resolve(view.served_name))
+        except Exception:  # noqa: BLE001 - served from a folder outside the store
+            entry = {"name": view.served_name, "model": view.served_name, "size": 0,
+                     "digest": "", "details": {}}
+        models.append(entry | {"expires_at": expires.isoformat(), "size_vram": 0,
+                               "context_length": view.max_request_tokens})
+    return JSONResponse({"models": models})
 
 
 async def show(request: Request) -> Response:

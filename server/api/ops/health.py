@@ -1,5 +1,5 @@
 """GET /health (public: loading, ready, draining), GET /metrics (Prometheus), GET /v1/models
-and /v1/models/{model}: the served model."""
+and /v1/models/{model}: the store's models, and whether each is loaded."""
 
 from __future__ import annotations
 
@@ -32,23 +32,32 @@ async def prometheus(request: Request) -> Response:
                              media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
-def _model_object(state: ServerState) -> dict:
-    """The served model in OpenAI's fields and Anthropic's at once (`type`, `display_name`,
+def _model_object(state: ServerState, name: str, loaded: bool = True) -> dict:
+    """A model in OpenAI's fields and Anthropic's at once (`type`, `display_name`,
     `created_at` in RFC 3339), so that both SDKs' `models.list()` and `retrieve()` read every
-    field they declare; each ignores the other's."""
-    return {"id": state.served_name, "object": "model", "created": state.created,
-            "owned_by": "localserve", "type": "model", "display_name": state.served_name,
-            "created_at": rfc3339(state.created)}
+    field they declare; each ignores the other's. `loaded`: held now (llama-server's router
+    says so too)."""
+    return {"id": name, "object": "model", "created": state.created,
+            "owned_by": "localserve", "type": "model", "display_name": name,
+            "created_at": rfc3339(state.created), "loaded": loaded}
 
 
 async def list_models(request: Request) -> Response:
+    """The model `serve` named first, those held beside it, then the rest of the store."""
+    from storage.models import ModelStore
+
     state: ServerState = request.app.state.server
-    # the cursor page (has_more, first_id, last_id) that Anthropic's SDK reads: one model
-    return JSONResponse(page([_model_object(state)], has_more=False))
+    held = [state.served_name, *state.held.views]
+    rest = [m.name for m in ModelStore(state.home).list() if m.name not in held]
+    models = [_model_object(state, n) for n in held] + [
+        _model_object(state, n, loaded=False) for n in rest]
+    return JSONResponse(page(models, has_more=False))  # the cursor page Anthropic's SDK reads
 
 
 async def get_model(request: Request) -> Response:
     state: ServerState = request.app.state.server
     name = request.path_params["model"]
-    state.check_model(name)
-    return JSONResponse(_model_object(state))
+    found = state.held.find(name)
+    if found is not None:
+        return JSONResponse(_model_object(state, found.served_name))
+    return JSONResponse(_model_object(state, state.held.stored(name).name, loaded=False))

@@ -1,0 +1,179 @@
+"""The models a server holds beside its first: any model in the store, loaded when a request
+names it and let go when it has been idle past its keep-alive (`serve --keep-alive`; the
+first, the one `serve` names, is held for good).
+
+A request for such a model sees it as the server's state (ModelView: that model's engine,
+tokenizer, grammars, reasoning format and limits, and everything else the server's: database,
+queue, usage), so every route serves it unchanged. Loading runs in a worker thread under the
+model's own lock (its requests wait for it; other models' streams go on). The engines of all
+held models share one step lock: they take turns, a step at a time, so their thread teams
+never compete for the cores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import threading
+import time
+from typing import Any
+
+from server.api.errors import model_not_found
+
+ServerState = Any  # server/api/state.py's, which holds these (it imports this module)
+
+log = logging.getLogger("localserve")
+NAME = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]*(:[A-Za-z0-9._-]+)?$")  # never a path
+
+
+class ModelView:
+    """The server's state as a request for one held model sees it."""
+
+    def __init__(self, state: ServerState) -> None:
+        self._state = state
+        self.engine: Any = None
+        self.in_flight = 0  # admitted interactive requests
+        self.loaded_at = self.last_used = time.monotonic()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._state, name)
+
+    def acquire(self) -> None:
+        self._state.acquire()
+        self.in_flight += 1
+        self.last_used = time.monotonic()
+
+    def release(self) -> None:
+        self._state.release()
+        self.in_flight -= 1
+        self.last_used = time.monotonic()
+
+    # The server's model methods, on this model's fields
+    def ready_engine(self) -> Any:
+        return type(self._state).ready_engine(self)
+
+    def serves(self, name: object) -> bool:
+        return type(self._state).serves(self, name)
+
+    def check_model(self, name: str) -> None:
+        type(self._state).check_model(self, name)
+
+    def check_generates(self) -> None:
+        type(self._state).check_generates(self)
+
+    @property
+    def is_idle(self) -> bool:
+        """No admitted request, nothing in its engine (batch lines hold no place there)."""
+        return self.in_flight == 0 and not self.engine.output.requests
+
+
+def _give_back_memory() -> None:
+    import gc
+
+    from server.engine.engine import release_freed_memory
+
+    gc.collect()
+    release_freed_memory()
+
+
+class HeldModels:
+    """The held models by name, loaded on demand, reaped when idle."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+        self.views: dict[str, ModelView] = {}
+        self.step_lock = threading.Lock()  # every held engine's, the first's included
+        self._loading: dict[str, asyncio.Lock] = {}
+
+    def find(self, name: Any) -> ServerState | ModelView | None:
+        """The state that serves `name` now, if any (the first model's, or a held one's)."""
+        state = self.state
+        if state.engine is None or state.serves(name):
+            return state
+        for view in self.views.values():
+            if view.serves(name):
+                view.last_used = time.monotonic()
+                return view
+        return None
+
+    async def view_for(self, name: Any) -> ServerState | ModelView:
+        """The state a request naming `name` runs on: loading the model if the store has it;
+        404 model_not_found if not (a name that is not a string is the parser's to refuse)."""
+        found = self.find(name)
+        if found is not None or not isinstance(name, str):
+            return found or self.state
+        stored = self.stored(name)
+        lock = self._loading.setdefault(stored.name, asyncio.Lock())
+        async with lock:
+            if stored.name not in self.views:
+                self.views[stored.name] = await self._load(stored)
+        view = self.views[stored.name]
+        view.last_used = time.monotonic()
+        return view
+
+    def has(self, name: Any) -> bool:
+        """The store holds a model `name` names (a batch line may name it)."""
+        try:
+            return isinstance(name, str) and bool(self.stored(name))
+        except Exception:  # noqa: BLE001 - model_not_found
+            return False
+
+    def stored(self, name: str) -> Any:
+        """The stored model `name` names; 404 model_not_found if none."""
+        from storage.models import ModelStore, ModelStoreError
+
+        if not NAME.match(name):
+            raise model_not_found(name)
+        try:
+            return ModelStore(self.state.home).resolve(name)
+        except ModelStoreError:
+            raise model_not_found(name) from None
+
+    async def _load(self, stored: Any) -> ModelView:
+        from server.engine.async_engine import load_engine
+        from storage.sampling import sampling_defaults
+
+        s = self.state.settings
+        started = time.monotonic()
+        engine = await asyncio.to_thread(load_engine, stored, s.engine, s.device, s.dtype,
+                                         self.step_lock)
+        defaults = {}
+        if s.generation_config == "auto":
+            defaults, _ = sampling_defaults(stored.path, stored.manifest.get("alias", ""))
+        view = ModelView(self.state)
+        type(self.state).attach(view, engine, stored.name, stored.manifest, defaults)
+        log.info("model %s loaded on demand in %.1f s", stored.name, time.monotonic() - started)
+        return view
+
+    async def reap(self, keep_alive: float | None, now: float | None = None) -> list[str]:
+        """Let go of the models idle for longer than `keep_alive` seconds (None: never)."""
+        if keep_alive is None:
+            return []
+        now = time.monotonic() if now is None else now
+        gone = [name for name, v in self.views.items()
+                if v.is_idle and now - v.last_used >= keep_alive
+                and not self._loading[name].locked()]
+        for name in gone:
+            view = self.views.pop(name)
+            idle = now - view.last_used
+            await asyncio.to_thread(view.engine.shutdown)
+            view.engine = None  # its weights and KV pool go with it
+            del view
+            await asyncio.to_thread(_give_back_memory)
+            log.info("model %s let go after %.0f s idle", name, idle)
+        return gone
+
+    async def run_reaper(self) -> None:
+        """Reap every second while the server runs."""
+        while True:
+            await asyncio.sleep(1.0)
+            try:
+                await self.reap(self.state.settings.keep_alive)
+            except Exception:  # noqa: BLE001 - the next round tries again
+                log.exception("letting go of idle models failed")
+
+    async def close(self) -> None:
+        for view in self.views.values():
+            await asyncio.to_thread(view.engine.shutdown)
+        self.views.clear()

@@ -1,0 +1,74 @@
+"""Several models from one server: `serve tiny:bf16` answers a request that names another
+stored model (the real smollm2-135m) by loading it, each request by the model it named; the
+loaded models show in /api/ps and /v1/models; past its keep-alive the idle one is let go (its
+memory with it) and the next request loads it again."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.api.server import ServerProcess
+
+pytestmark = pytest.mark.real_model
+REAL = "smollm2-135m:int4"
+
+
+@pytest.fixture(scope="module")
+def two_models(tiny_home, real_home, tmp_path_factory):
+    env = dict(os.environ, LOCALSERVE_HOME=str(real_home))
+    pull = subprocess.run([sys.executable, "-m", "cli.main", "pull", "smollm2-135m", "--bits",
+                           "4"], capture_output=True, text=True, env=env, timeout=600)
+    assert pull.returncode == 0, pull.stderr[-2000:]
+    root = tmp_path_factory.mktemp("held")
+    models = root / "home" / "models"
+    models.mkdir(parents=True)
+    (models / "tiny:bf16").symlink_to(tiny_home / "models" / "tiny:bf16")
+    (models / REAL).symlink_to(real_home / "models" / REAL)
+    proc = ServerProcess(root / "home", ["tiny:bf16", "--kv-cache-mb", "64", "--keep-alive",
+                                         "2"], root / "server.log").start()
+    yield proc
+    proc.stop()
+
+
+def anon_mb(pid: int) -> float:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(re.search(r"RssAnon:\s+(\d+) kB", status).group(1)) / 1024
+
+
+def loaded(url: str) -> list[str]:
+    return [m["model"] for m in httpx.get(f"{url}/api/ps").json()["models"]]
+
+
+def test_two_models_answer_by_name_and_the_idle_one_goes(two_models):
+    from openai import OpenAI
+
+    url = two_models.url
+    with OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120) as c:
+        for model in ("tiny:bf16", REAL, "tiny:bf16", "smollm2-135m"):  # the bare alias too
+            got = c.chat.completions.create(model=model, max_tokens=3, temperature=0,
+                                            messages=[{"role": "user", "content": "Hi"}])
+            assert got.model == (REAL if model == "smollm2-135m" else model)
+        assert loaded(url) == ["tiny:bf16", REAL]
+        listed = {m.id: m.model_extra["loaded"] for m in c.models.list().data}
+        assert listed == {"tiny:bf16": True, REAL: True}
+        with_both = anon_mb(two_models.proc.pid)
+        deadline = time.monotonic() + 30
+        while loaded(url) != ["tiny:bf16"]:  # 2 s idle, then the reaper's next round
+            assert time.monotonic() < deadline, loaded(url)
+            time.sleep(0.5)
+        assert anon_mb(two_models.proc.pid) < with_both - 40  # its weights went with it
+        assert {m.id: m.model_extra["loaded"] for m in c.models.list().data}[REAL] is False
+        again = c.chat.completions.create(model=REAL, max_tokens=2, temperature=0,
+                                          messages=[{"role": "user", "content": "Hi"}])
+        assert again.model == REAL and loaded(url) == ["tiny:bf16", REAL]
+        with pytest.raises(Exception, match="does not exist"):  # not in the store: 404
+            c.chat.completions.create(model="gpt-9", max_tokens=2,
+                                      messages=[{"role": "user", "content": "Hi"}])
