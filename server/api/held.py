@@ -24,6 +24,7 @@ from server.api.errors import model_not_found
 ServerState = Any  # server/api/state.py's, which holds these (it imports this module)
 
 log = logging.getLogger("localserve")
+GRACE = 1.0  # seconds
 NAME = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]*(:[A-Za-z0-9._-]+)?$")  # never a path
 
 
@@ -151,8 +152,10 @@ class HeldModels:
         if keep_alive is None:
             return []
         now = time.monotonic() if now is None else now
+        # at least a second's grace: a request that just found its model has not yet been
+        # admitted (parsing lies between)
         gone = [name for name, v in self.views.items()
-                if v.is_idle and now - v.last_used >= keep_alive
+                if v.is_idle and now - v.last_used >= max(keep_alive, GRACE)
                 and not self._loading[name].locked()]
         for name in gone:
             view = self.views.pop(name)
