@@ -5,19 +5,21 @@ memory with it) and the next request loads it again."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
 
+from server.api.held import HeldModels, ModelView
 from tests.api.server import ServerProcess
 
-pytestmark = pytest.mark.real_model
 REAL = "smollm2-135m:int4"
 
 
@@ -47,6 +49,7 @@ def loaded(url: str) -> list[str]:
     return [m["model"] for m in httpx.get(f"{url}/api/ps").json()["models"]]
 
 
+@pytest.mark.real_model
 def test_two_models_answer_by_name_and_the_idle_one_goes(two_models):
     from openai import OpenAI
 
@@ -72,3 +75,31 @@ def test_two_models_answer_by_name_and_the_idle_one_goes(two_models):
         with pytest.raises(Exception, match="does not exist"):  # not in the store: 404
             c.chat.completions.create(model="gpt-9", max_tokens=2,
                                       messages=[{"role": "user", "content": "Hi"}])
+
+
+class _Engine:  # what reap() reads of a held model's engine, and its shutdown
+    def __init__(self, busy: bool = False) -> None:
+        self.output = SimpleNamespace(requests={"r": 1} if busy else {})
+        self.down = False
+
+    def shutdown(self) -> None:
+        self.down = True
+
+
+def test_reap_lets_go_of_the_idle_past_their_keep_alive():
+    held = HeldModels(SimpleNamespace())
+    engines = {}
+    for name, (idle_for, busy, in_flight) in {"old": (10, False, 0), "new": (1.5, False, 0),
+                                              "busy": (10, True, 0), "admitted": (10, False, 1),
+                                              "fresh": (0.5, False, 0)}.items():
+        view = ModelView(SimpleNamespace())
+        view.engine = engines[name] = _Engine(busy)
+        view.in_flight, view.last_used = in_flight, 100.0 - idle_for
+        held.views[name] = view
+        held._loading[name] = asyncio.Lock()
+    assert asyncio.run(held.reap(5.0, now=100.0)) == ["old"]
+    assert engines["old"].down and "old" not in held.views
+    assert asyncio.run(held.reap(None, now=100.0)) == []  # -1: for good
+    # keep-alive 0: all idle ones, but none within the grace of its last use
+    assert asyncio.run(held.reap(0.0, now=100.0)) == ["new"]
+    assert sorted(held.views) == ["admitted", "busy", "fresh"]
