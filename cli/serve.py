@@ -102,6 +102,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--keep-alive", type=float, default=300.0, metavar="SECONDS",
                    help="how long a model loaded on demand (a request named another stored "
                    "model) stays after its last request; -1: for good (default 300)")
+    p.add_argument("--pin", action="append", default=None, metavar="NAME",
+                   help="a model never let go once loaded (repeatable)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads for the model (default: torch's, one per core)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: auto)")
@@ -178,7 +180,8 @@ def run(args: argparse.Namespace) -> int:
             generation_config=args.generation_config,
             reasoning_format=args.reasoning_format,
             max_reasoning_tokens=args.max_reasoning_tokens, tool_format=args.tool_format,
-            keep_alive=None if args.keep_alive < 0 else args.keep_alive)
+            keep_alive=None if args.keep_alive < 0 else args.keep_alive,
+            pinned=tuple(args.pin or ()))
     except ConfigError as e:
         flag, value = FLAGS.get(e.field, (e.field, None))
         given = f", got {getattr(args, value)}" if value else ""

@@ -34,6 +34,7 @@ class ModelView:
     def __init__(self, state: ServerState) -> None:
         self._state = state
         self.engine: Any = None
+        self.keep_alive: float | None = None  # a request's (Ollama's keep_alive), else serve's
         self.in_flight = 0  # admitted interactive requests
         self.loaded_at = self.last_used = time.monotonic()
 
@@ -113,6 +114,16 @@ class HeldModels:
         view.last_used = time.monotonic()
         return view
 
+    def keep(self, state: Any, seconds: float | None) -> None:
+        """A request's keep-alive for its model (Ollama's semantics: 0 lets it go after this
+        request, a negative one keeps it for good); the first model is held anyway."""
+        if seconds is not None and isinstance(state, ModelView):
+            state.keep_alive = seconds
+
+    def pinned(self, view: ModelView) -> bool:
+        """`serve --pin`: never let go."""
+        return any(view.serves(name) for name in self.state.settings.pinned)
+
     def has(self, name: Any) -> bool:
         """The store holds a model `name` names (a batch line may name it)."""
         try:
@@ -148,15 +159,16 @@ class HeldModels:
         return view
 
     async def reap(self, keep_alive: float | None, now: float | None = None) -> list[str]:
-        """Let go of the models idle for longer than `keep_alive` seconds (None: never)."""
-        if keep_alive is None:
-            return []
+        """Let go of the models idle for longer than their keep-alive: a request's, else
+        `keep_alive` seconds (None: never); pinned ones never."""
         now = time.monotonic() if now is None else now
         # at least a second's grace: a request that just found its model has not yet been
         # admitted (parsing lies between)
-        gone = [name for name, v in self.views.items()
-                if v.is_idle and now - v.last_used >= max(keep_alive, GRACE)
-                and not self._loading[name].locked()]
+        def expired(v: ModelView) -> bool:
+            keep = keep_alive if v.keep_alive is None else v.keep_alive
+            return keep is not None and keep >= 0 and now - v.last_used >= max(keep, GRACE)
+        gone = [name for name, v in self.views.items() if v.is_idle and expired(v)
+                and not self.pinned(v) and not self._loading[name].locked()]
         for name in gone:
             view = self.views.pop(name)
             idle = now - view.last_used

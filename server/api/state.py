@@ -70,6 +70,7 @@ class ServerSettings:
     max_reasoning_tokens: int | None = None
     # Seconds a model loaded on demand is kept after its last request (None: for good)
     keep_alive: float | None = 300.0
+    pinned: tuple[str, ...] = ()  # models never let go (serve --pin)
     # How tool calls are written: "auto" (from the chat template) or a format's name
     # (api/generation/tool_formats.py; the CLI checks the name)
     tool_format: str = "auto"

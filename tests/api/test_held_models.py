@@ -86,20 +86,31 @@ class _Engine:  # what reap() reads of a held model's engine, and its shutdown
         self.down = True
 
 
+class _State:  # what reap() reads of the server: its settings, and serves() on a view
+    settings = SimpleNamespace(pinned=("pinned",))
+
+    def serves(self, name: object) -> bool:
+        return name == self.served_name
+
+
 def test_reap_lets_go_of_the_idle_past_their_keep_alive():
-    held = HeldModels(SimpleNamespace())
+    state = _State()
+    held = HeldModels(state)
     engines = {}
-    for name, (idle_for, busy, in_flight) in {"old": (10, False, 0), "new": (1.5, False, 0),
-                                              "busy": (10, True, 0), "admitted": (10, False, 1),
-                                              "fresh": (0.5, False, 0)}.items():
-        view = ModelView(SimpleNamespace())
+    for name, (idle_for, busy, in_flight, keep) in {
+            "old": (10, False, 0, None), "new": (1.5, False, 0, None),
+            "busy": (10, True, 0, None), "admitted": (10, False, 1, None),
+            "fresh": (0.5, False, 0, None), "pinned": (10, False, 0, None),
+            "asked": (2, False, 0, 0.0), "kept": (10, False, 0, -1.0)}.items():
+        view = ModelView(state)
         view.engine = engines[name] = _Engine(busy)
+        view.served_name, view.keep_alive = name, keep  # keep: the request's keep_alive
         view.in_flight, view.last_used = in_flight, 100.0 - idle_for
         held.views[name] = view
         held._loading[name] = asyncio.Lock()
-    assert asyncio.run(held.reap(5.0, now=100.0)) == ["old"]
+    assert asyncio.run(held.reap(5.0, now=100.0)) == ["old", "asked"]
     assert engines["old"].down and "old" not in held.views
     assert asyncio.run(held.reap(None, now=100.0)) == []  # -1: for good
-    # keep-alive 0: all idle ones, but none within the grace of its last use
+    # keep-alive 0: all idle ones, but none within the grace of its last use, nor pinned
     assert asyncio.run(held.reap(0.0, now=100.0)) == ["new"]
-    assert sorted(held.views) == ["admitted", "busy", "fresh"]
+    assert sorted(held.views) == ["admitted", "busy", "fresh", "kept", "pinned"]

@@ -60,6 +60,8 @@ class ChatRequest(GenerateRequest):
     # Anthropic's message threads: ("create" or "continue", the previous message's id, the
     # fields the thread keeps)
     thread: tuple[str, str | None, dict[str, Any]] | None = None
+    # Ollama's keep_alive: seconds its model stays after this request (negative: for good)
+    keep_alive: float | None = None
 
 
 @dataclass(slots=True)

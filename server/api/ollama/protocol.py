@@ -65,7 +65,7 @@ def _request(f: Fields, messages: list[dict[str, Any]], tools: Any) -> ChatReque
     schema = _format(f.raw("format"))
     tool_use = parse_tools(tools, "auto" if tools else None, None) if tools else None
     thinking = parse_thinking(None, None, f.raw("think"), None)
-    keep_alive(f.raw("keep_alive"))
+    stay = keep_alive(f.raw("keep_alive"))
     kw, max_tokens, given = _options(f.raw("options"))
     for name in ("logprobs", "top_logprobs", "truncate", "shift", "dimensions"):
         if f.raw(name):
@@ -73,7 +73,7 @@ def _request(f: Fields, messages: list[dict[str, Any]], tools: Any) -> ChatReque
     f.check_unknown()
     return ChatRequest(model=model, params=SamplingParams(**kw), max_tokens=max_tokens,
                        stream=stream, messages=messages, output_schema=schema,
-                       tool_use=tool_use, thinking=thinking,
+                       tool_use=tool_use, thinking=thinking, keep_alive=stay,
                        left_out=frozenset(n for n in MODEL_DEFAULTED if n not in given))
 
 
