@@ -20,6 +20,7 @@ from dataclasses import replace
 import uvicorn
 
 from server.api.generation.tool_formats import CHOICES as TOOL_FORMATS
+from server.api.held import default_memory_limit
 from server.models.tokenizer import REASONING_CHOICES
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -102,6 +103,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--keep-alive", type=float, default=300.0, metavar="SECONDS",
                    help="how long a model loaded on demand (a request named another stored "
                    "model) stays after its last request; -1: for good (default 300)")
+    p.add_argument("--memory-limit", type=int, default=None, metavar="MB",
+                   help="what the loaded models may hold together, weights and KV pools; a "
+                   "load past it lets idle models go first (default: 80%% of the machine's "
+                   "memory)")
     p.add_argument("--pin", action="append", default=None, metavar="NAME",
                    help="a model never let go once loaded (repeatable)")
     p.add_argument("--threads", type=int, default=None,
@@ -138,6 +143,7 @@ FLAGS = {
     "grammar_timeout": ("--grammar-timeout", "grammar_timeout"),
     "max_reasoning_tokens": ("--max-reasoning-tokens", "max_reasoning_tokens"),
     "keep_alive": ("--keep-alive", "keep_alive"),
+    "memory_limit": ("--memory-limit", "memory_limit"),
 }
 
 
@@ -181,7 +187,9 @@ def run(args: argparse.Namespace) -> int:
             reasoning_format=args.reasoning_format,
             max_reasoning_tokens=args.max_reasoning_tokens, tool_format=args.tool_format,
             keep_alive=None if args.keep_alive < 0 else args.keep_alive,
-            pinned=tuple(args.pin or ()))
+            pinned=tuple(args.pin or ()),
+            memory_limit=default_memory_limit() if args.memory_limit is None
+            else args.memory_limit << 20)
     except ConfigError as e:
         flag, value = FLAGS.get(e.field, (e.field, None))
         given = f", got {getattr(args, value)}" if value else ""

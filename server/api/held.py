@@ -19,12 +19,13 @@ import threading
 import time
 from typing import Any
 
-from server.api.errors import model_not_found
+from server.api.errors import APIError, model_not_found
 
 ServerState = Any  # server/api/state.py's, which holds these (it imports this module)
 
 log = logging.getLogger("localserve")
 GRACE = 1.0  # seconds
+ROOM_WAIT = 30.0  # seconds a load waits for memory to free before it is refused
 NAME = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]*(:[A-Za-z0-9._-]+)?$")  # never a path
 
 
@@ -70,6 +71,18 @@ class ModelView:
         return self.in_flight == 0 and not self.engine.output.requests
 
 
+def default_memory_limit() -> int | None:
+    """Four fifths of the machine's memory (Linux's MemTotal), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024 * 4 // 5
+    except OSError:
+        pass
+    return None
+
+
 def _give_back_memory() -> None:
     import gc
 
@@ -87,6 +100,7 @@ class HeldModels:
         self.views: dict[str, ModelView] = {}
         self.step_lock = threading.Lock()  # every held engine's, the first's included
         self._loading: dict[str, asyncio.Lock] = {}
+        self.room_wait = ROOM_WAIT
 
     def find(self, name: Any) -> ServerState | ModelView | None:
         """The state that serves `name` now, if any (the first model's, or a held one's)."""
@@ -109,6 +123,7 @@ class HeldModels:
         lock = self._loading.setdefault(stored.name, asyncio.Lock())
         async with lock:
             if stored.name not in self.views:
+                await self._make_room(stored.size_bytes + self._kv_bytes())
                 self.views[stored.name] = await self._load(stored)
         view = self.views[stored.name]
         view.last_used = time.monotonic()
@@ -162,22 +177,68 @@ class HeldModels:
         """Let go of the models idle for longer than their keep-alive: a request's, else
         `keep_alive` seconds (None: never); pinned ones never."""
         now = time.monotonic() if now is None else now
-        # at least a second's grace: a request that just found its model has not yet been
-        # admitted (parsing lies between)
+
         def expired(v: ModelView) -> bool:
             keep = keep_alive if v.keep_alive is None else v.keep_alive
             return keep is not None and keep >= 0 and now - v.last_used >= max(keep, GRACE)
         gone = [name for name, v in self.views.items() if v.is_idle and expired(v)
                 and not self.pinned(v) and not self._loading[name].locked()]
         for name in gone:
-            view = self.views.pop(name)
-            idle = now - view.last_used
-            await asyncio.to_thread(view.engine.shutdown)
-            view.engine = None  # its weights and KV pool go with it
-            del view
-            await asyncio.to_thread(_give_back_memory)
-            log.info("model %s let go after %.0f s idle", name, idle)
+            await self._let_go(name, f"after {now - self.views[name].last_used:.0f} s idle")
         return gone
+
+    async def _let_go(self, name: str, why: str) -> None:
+        view = self.views.pop(name)
+        await asyncio.to_thread(view.engine.shutdown)
+        view.engine = None  # its weights and KV pool go with it
+        del view
+        await asyncio.to_thread(_give_back_memory)
+        log.info("model %s let go %s", name, why)
+
+    # -- memory ----------------------------------------------------------------------------
+
+    def footprint(self, state: Any) -> int:
+        """Bytes a loaded model holds: its stored files (the weights) and its KV pool."""
+        engine = state.engine.engine  # sizes fixed at load: read from any thread
+        kv = len(engine.block_manager.blocks) * engine.block_bytes
+        return self._file_bytes(state.served_name) + kv
+
+    def _file_bytes(self, name: str) -> int:
+        try:
+            return self.stored(name).size_bytes
+        except Exception:  # noqa: BLE001 - a model served from outside the store
+            return 0
+
+    def _kv_bytes(self) -> int:
+        """The KV pool a model loaded now would take (serve's setting, or the default)."""
+        from server.engine.engine import default_kv_cache_bytes
+
+        configured = self.state.settings.engine.kv_cache_bytes
+        return configured if configured is not None else default_kv_cache_bytes("cpu")
+
+    def used(self) -> int:
+        held = [self.state] if self.state.engine is not None else []
+        return sum(self.footprint(v) for v in [*held, *self.views.values()])
+
+    async def _make_room(self, need: int) -> None:
+        """Let go of idle models, least recently used first, until `need` more bytes fit
+        `serve --memory-limit`; while none is idle, wait for one (at most room_wait), then
+        503 Retry-After: never more than the limit, never an out-of-memory kill."""
+        limit = self.state.settings.memory_limit
+        deadline = time.monotonic() + self.room_wait
+        while limit is not None and self.used() + need > limit:
+            idle = sorted((v for n, v in self.views.items() if v.is_idle and not self.pinned(v)
+                           and not self._loading[n].locked()), key=lambda v: v.last_used)
+            if idle:
+                await self._let_go(idle[0].served_name, "for room")
+                continue
+            if time.monotonic() >= deadline:
+                raise APIError(503, f"Not enough memory to load another model: "
+                               f"{need >> 20} MB needed, {self.used() >> 20} of "
+                               f"{limit >> 20} MB held by models in use (serve "
+                               "--memory-limit); retry when they are idle.",
+                               code="model_memory", headers={"Retry-After": "5"})
+            await asyncio.sleep(0.25)
 
     async def run_reaper(self) -> None:
         """Reap every second while the server runs."""

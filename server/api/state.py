@@ -71,6 +71,9 @@ class ServerSettings:
     # Seconds a model loaded on demand is kept after its last request (None: for good)
     keep_alive: float | None = 300.0
     pinned: tuple[str, ...] = ()  # models never let go (serve --pin)
+    # Bytes the loaded models may hold together (weights and KV pools; None: no limit): a
+    # load that would pass it first lets idle models go (held.py)
+    memory_limit: int | None = None
     # How tool calls are written: "auto" (from the chat template) or a format's name
     # (api/generation/tool_formats.py; the CLI checks the name)
     tool_format: str = "auto"
@@ -81,6 +84,7 @@ class ServerSettings:
         at_least(self, 0, "drain_timeout")
         at_least(self, 0.001, "grammar_timeout")
         at_least(self, 0, "max_reasoning_tokens", "keep_alive")
+        at_least(self, 1, "memory_limit")
         if self.reasoning_format not in REASONING_CHOICES:
             raise ConfigError("reasoning_format",
                               f"must be one of {', '.join(REASONING_CHOICES)}")

@@ -114,3 +114,81 @@ def test_reap_lets_go_of_the_idle_past_their_keep_alive():
     # keep-alive 0: all idle ones, but none within the grace of its last use, nor pinned
     assert asyncio.run(held.reap(0.0, now=100.0)) == ["new"]
     assert sorted(held.views) == ["admitted", "busy", "fresh", "kept", "pinned"]
+
+
+@pytest.fixture(scope="module")
+def tight(tiny_home, real_home, two_models, tmp_path_factory):
+    """A server whose memory limit holds its first model and one more: tiny:bf16 (first),
+    the real smollm2-135m:int4 (~96 MB and its 16 MB KV pool), tiny:int8."""
+    from tests.helpers import hf_model, pull_into, save_hf_folder
+
+    root = tmp_path_factory.mktemp("tight")
+    models = root / "home" / "models"
+    models.mkdir(parents=True)
+    (models / "tiny:bf16").symlink_to(tiny_home / "models" / "tiny:bf16")
+    (models / REAL).symlink_to(real_home / "models" / REAL)
+    folder = save_hf_folder(hf_model("llama", seed=3, max_position_embeddings=4096),
+                            root / "hf" / "tiny")
+    pull_into(root / "home", folder, bits=8)
+    proc = ServerProcess(root / "home", ["tiny:bf16", "--kv-cache-mb", "16", "--memory-limit",
+                                         "140", "--keep-alive", "-1"], root / "server.log")
+    yield proc.start()
+    proc.stop()
+
+
+@pytest.mark.real_model
+def test_a_load_past_the_limit_lets_the_idle_go_and_waits_for_the_busy(tight):
+    import threading
+
+    from openai import OpenAI
+
+    url = tight.url
+    hi = [{"role": "user", "content": "Hi"}]
+    with OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120) as c:
+        c.chat.completions.create(model=REAL, messages=hi, max_tokens=2)
+        assert loaded(url) == ["tiny:bf16", REAL]
+        c.chat.completions.create(model="tiny:int8", messages=hi, max_tokens=2)
+        assert loaded(url) == ["tiny:bf16", "tiny:int8"]  # the idle one went for it
+        streamed = []
+
+        def stream() -> None:
+            for chunk in c.chat.completions.create(model=REAL, messages=hi, max_tokens=300,
+                                                   stream=True, extra_body={"ignore_eos": True}):
+                streamed.append(chunk.choices[0].finish_reason if chunk.choices else None)
+        runner = threading.Thread(target=stream)
+        runner.start()
+        deadline = time.monotonic() + 60
+        while REAL not in loaded(url) or len(streamed) < 5:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        # tiny:int8 must wait: smollm2 streams (never let go mid-stream), nothing else is idle
+        got = c.chat.completions.create(model="tiny:int8", messages=hi, max_tokens=2)
+        runner.join()
+        assert got.model == "tiny:int8" and streamed[-1] == "length"  # the stream completed
+        assert loaded(url) == ["tiny:bf16", "tiny:int8"]
+
+
+def test_room_is_made_from_the_least_recently_used_idle_never_the_pinned():
+    from server.api.errors import APIError
+
+    state = _State()
+    state.engine = None  # the first model's footprint: not counted here
+    state.settings = SimpleNamespace(pinned=("pinned",), memory_limit=100)
+    held = HeldModels(state)
+    held.footprint = lambda v: v.size  # bytes each holds, as given below
+    sizes = {"pinned": (30, 1.0, False), "older": (30, 2.0, False), "newer": (30, 3.0, False),
+             "busy": (5, 0.0, True)}
+    for name, (size, last_used, busy) in sizes.items():
+        view = ModelView(state)
+        view.engine, view.served_name = _Engine(busy), name
+        view.size, view.last_used = size, last_used
+        held.views[name] = view
+        held._loading[name] = asyncio.Lock()
+    asyncio.run(held._make_room(20))  # 95 + 20 > 100: the least recently used idle one goes
+    assert sorted(held.views) == ["busy", "newer", "pinned"]
+    asyncio.run(held._make_room(60))  # 65 + 60: the next goes too, never the pinned one
+    assert sorted(held.views) == ["busy", "pinned"]
+    held.room_wait = 0.3
+    with pytest.raises(APIError) as e:  # 35 + 70: only a busy and a pinned one are left
+        asyncio.run(held._make_room(70))
+    assert e.value.status == 503 and e.value.headers == {"Retry-After": "5"}
