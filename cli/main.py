@@ -6,7 +6,7 @@ import argparse
 import errno
 import sys
 
-from cli import batch, bench, models, pull, run, serve, usage
+from cli import batch, bench, models, ps, pull, run, serve, usage
 from cli import eval as eval_cmd
 
 
@@ -31,7 +31,7 @@ class _IntermixedParser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="localserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_IntermixedParser)
-    for module in (pull, models, run, serve, batch, usage, bench, eval_cmd):
+    for module in (pull, models, run, serve, ps, batch, usage, bench, eval_cmd):
         module.add_parser(sub)
     return parser
 

@@ -195,6 +195,21 @@ class HeldModels:
         await asyncio.to_thread(_give_back_memory)
         log.info("model %s let go %s", name, why)
 
+    async def unload(self, name: str) -> None:
+        """Let `name` go now (POST /v1/models/{name}/unload): 400 for the first model, which
+        is held for good; 409 while it has requests; 404 if it is not loaded."""
+        if self.state.serves(name):
+            raise APIError(400, f"The model `{name}` is the one this server was started with: "
+                           "it stays loaded.", param="model")
+        view = next((v for v in self.views.values() if v.serves(name)), None)
+        if view is None:
+            raise APIError(404, f"The model `{name}` is not loaded.", param="model",
+                           code="model_not_loaded")
+        if not view.is_idle:
+            raise APIError(409, f"The model `{name}` has requests running; retry when they "
+                           "end.", param="model", code="model_busy")
+        await self._let_go(view.served_name, "on request")
+
     # -- memory ----------------------------------------------------------------------------
 
     def footprint(self, state: Any) -> int:

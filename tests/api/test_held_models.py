@@ -116,6 +116,27 @@ def test_reap_lets_go_of_the_idle_past_their_keep_alive():
     assert sorted(held.views) == ["admitted", "busy", "fresh", "kept", "pinned"]
 
 
+@pytest.mark.real_model
+def test_load_unload_routes_and_the_ps_and_stop_commands(two_models, capsys):
+    from cli.main import main
+
+    url = two_models.url
+    loaded_now = httpx.post(f"{url}/v1/models/smollm2-135m/load").json()
+    assert (loaded_now["id"], loaded_now["loaded"]) == (REAL, True)
+    assert main(["ps", "--url", url]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in out[1:]] == ["tiny:bf16", REAL]
+    assert "kept" in out[1] and out[2].split()[-1] == "s"  # the first is held for good
+    assert main(["stop", REAL, "--url", url]) == 0
+    assert loaded(url) == ["tiny:bf16"]
+    first = httpx.post(f"{url}/v1/models/tiny:bf16/unload")
+    assert first.status_code == 400 and "stays loaded" in first.json()["error"]["message"]
+    assert httpx.post(f"{url}/v1/models/{REAL}/unload").status_code == 404  # not loaded
+    assert httpx.post(f"{url}/v1/models/nope:int4/load").status_code == 404
+    assert main(["stop", "tiny:bf16", "--url", url]) == 1  # the CLI says why, exits 1
+    assert "stays loaded" in capsys.readouterr().err
+
+
 @pytest.fixture(scope="module")
 def tight(tiny_home, real_home, two_models, tmp_path_factory):
     """A server whose memory limit holds its first model and one more: tiny:bf16 (first),

@@ -61,3 +61,19 @@ async def get_model(request: Request) -> Response:
     if found is not None:
         return JSONResponse(_model_object(state, found.served_name))
     return JSONResponse(_model_object(state, state.held.stored(name).name, loaded=False))
+
+
+async def load_model(request: Request) -> Response:
+    """POST /v1/models/{model}/load: load it now (held beside the first, as a request would)."""
+    state: ServerState = request.app.state.server
+    state.ready_engine()
+    view = await state.held.view_for(request.path_params["model"])
+    return JSONResponse(_model_object(state, view.served_name))
+
+
+async def unload_model(request: Request) -> Response:
+    """POST /v1/models/{model}/unload: let it go now."""
+    state: ServerState = request.app.state.server
+    name = request.path_params["model"]
+    await state.held.unload(name)
+    return JSONResponse(_model_object(state, state.held.stored(name).name, loaded=False))
