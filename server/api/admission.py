@@ -88,6 +88,7 @@ def admit(state: ServerState, req: Any, owner: str, priority: int = PRIORITY_INT
     (any other priority) takes no place and may not stream."""
     state.ready_engine()
     state.check_model(req.model)
+    state.held.keep(state, getattr(req, "keep_alive", None))  # how long its model stays
     if generates:
         state.check_generates()
     if priority != PRIORITY_INTERACTIVE:

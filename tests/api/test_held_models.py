@@ -213,3 +213,40 @@ def test_room_is_made_from_the_least_recently_used_idle_never_the_pinned():
     with pytest.raises(APIError) as e:  # 35 + 70: only a busy and a pinned one are left
         asyncio.run(held._make_room(70))
     assert e.value.status == 503 and e.value.headers == {"Retry-After": "5"}
+
+
+@pytest.mark.parametrize("given,seconds", [("5m", 300.0), ("1h", 3600.0), ("-1", -1.0),
+                                           (0, 0.0), ("250ms", 0.25), (None, None)])
+def test_keep_alive_as_ollama_writes_it(given, seconds):
+    from server.api.generation.protocol import parse_keep_alive
+
+    assert parse_keep_alive(given) == seconds
+
+
+@pytest.mark.parametrize("given", ["soon", "5 minutes", True, [], float("inf")])
+def test_a_bad_keep_alive_is_a_400(given):
+    from server.api.errors import APIError
+    from server.api.generation.protocol import parse_keep_alive
+
+    with pytest.raises(APIError) as e:
+        parse_keep_alive(given)
+    assert e.value.status == 400 and e.value.param == "keep_alive"
+
+
+@pytest.mark.real_model
+def test_a_request_sets_how_long_its_model_stays(two_models):
+    from openai import OpenAI
+
+    url = two_models.url  # serve's keep-alive: 2 s
+    hi = [{"role": "user", "content": "Hi"}]
+    with OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120) as c:
+        c.chat.completions.create(model=REAL, messages=hi, max_tokens=2,
+                                  extra_body={"keep_alive": "-1"})
+        time.sleep(4)
+        assert loaded(url) == ["tiny:bf16", REAL]  # kept for good
+        c.chat.completions.create(model=REAL, messages=hi, max_tokens=2,
+                                  extra_body={"keep_alive": 0})
+        deadline = time.monotonic() + 10
+        while loaded(url) != ["tiny:bf16"]:  # let go after this request (1 s of grace)
+            assert time.monotonic() < deadline
+            time.sleep(0.2)

@@ -14,7 +14,7 @@ from typing import Any
 
 from server.api.errors import invalid, unsupported
 from server.api.fields import Fields
-from server.api.generation.protocol import MAX_STOP, ChatRequest, left_out
+from server.api.generation.protocol import MAX_STOP, ChatRequest, left_out, parse_keep_alive
 from server.api.generation.reasoning import Thinking
 from server.api.generation.structured import NAME
 from server.api.generation.tools import EMPTY_PARAMETERS, Tool, ToolUse
@@ -40,6 +40,7 @@ def parse_messages_request(body: dict[str, Any], vocab_size: int, count_only: bo
     continue_final = _prefill(messages)
     thinking = _thinking(f.raw("thinking"))
     thread = _thread(f.raw("thread"), {k: f.raw(k) for k in THREAD_FIELDS})
+    keep_alive = parse_keep_alive(f.raw("keep_alive"))  # Ollama's, an extra field here
     budget = thinking.budget
     _settings(f)
     if count_only:
@@ -70,6 +71,7 @@ def parse_messages_request(body: dict[str, Any], vocab_size: int, count_only: bo
                        user=user if isinstance(user, str) else None, messages=messages,
                        output_schema=output_schema, tool_use=tool_use,
                        continue_final=continue_final, thinking=thinking, thread=thread,
+                       keep_alive=keep_alive,
                        left_out=left_out(f, ("temperature", "top_p", "top_k")))
 
 

@@ -6,6 +6,8 @@ ignored); fields nobody defines are refused as OpenAI does ("Unrecognized reques
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +40,9 @@ class GenerateRequest:
     # The sampling fields the request left out: the model's defaults apply to these
     # (pipeline.with_model_defaults); empty: the request's params are used as they are.
     left_out: frozenset[str] = frozenset()
+    # Seconds its model stays loaded after this request (Ollama's keep_alive, an extra field
+    # on every generating API; negative: for good; None: the server's)
+    keep_alive: float | None = None
 
 
 def left_out(f: Fields, settable: tuple[str, ...] = MODEL_DEFAULTED) -> frozenset[str]:
@@ -60,8 +65,6 @@ class ChatRequest(GenerateRequest):
     # Anthropic's message threads: ("create" or "continue", the previous message's id, the
     # fields the thread keeps)
     thread: tuple[str, str | None, dict[str, Any]] | None = None
-    # Ollama's keep_alive: seconds its model stays after this request (negative: for good)
-    keep_alive: float | None = None
 
 
 @dataclass(slots=True)
@@ -114,11 +117,29 @@ def _common(f: Fields, vocab_size: int) -> tuple[dict[str, Any], dict[str, Any]]
     if best_of is not None and best_of != kw["n"]:
         raise unsupported("best_of", "only best_of equal to n")
     other = dict(model=model, stream=stream, include_usage=include_usage,
-                 user=f.str("user"), left_out=left_out(f))
+                 user=f.str("user"), left_out=left_out(f),
+                 keep_alive=parse_keep_alive(f.raw("keep_alive")))
     f.str("service_tier")
     f.str("safety_identifier")
     cache_hints(f)
     return kw, other
+
+
+KEEP_ALIVE = re.compile(r"^(-?\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)?$")
+UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1, "m": 60, "h": 3600}
+
+
+def parse_keep_alive(v: Any) -> float | None:
+    """`keep_alive`: seconds, or a duration as Ollama writes one ("5m", "1h", "-1")."""
+    if v is None:
+        return None
+    if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v):
+        return float(v)
+    m = KEEP_ALIVE.match(v.strip()) if isinstance(v, str) else None
+    if m is None:
+        raise invalid("keep_alive", f"Invalid value for 'keep_alive': {v!r}: expected seconds "
+                      "or a duration such as \"5m\".")
+    return float(m.group(1)) * UNITS[m.group(2) or "s"]
 
 
 def cache_hints(f: Fields) -> None:

@@ -36,7 +36,6 @@ async def generate(request: Request) -> Response:
 
 async def _reply(request: Request, parse, shape: str) -> Response:
     state, req = await read_request(request, parse)
-    state.held.keep(state, req.keep_alive)
     async with admit(state, req, tenant(request)) as place:
         if req.max_tokens == 0:  # /api/generate with no prompt: the model is loaded, done
             return JSONResponse(_done(state, shape, "load", TokenCount(0), time.monotonic()))

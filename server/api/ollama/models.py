@@ -20,7 +20,7 @@ from server.api.body import read_json
 from server.api.errors import APIError, invalid
 from server.api.fields import Fields
 from server.api.generation.embedding import embed
-from server.api.ollama.protocol import keep_alive
+from server.api.generation.protocol import parse_keep_alive
 from server.api.state import ServerState
 from storage.models import ModelStore, StoredModel
 
@@ -121,7 +121,7 @@ def parse_embed(body: dict[str, Any], vocab_size: int, legacy: bool = False) -> 
         raise invalid(name, f"{name}: expected a non-empty string or list of strings")
     dimensions = f.int("dimensions", lo=1)
     f.bool("truncate", True)  # inputs longer than the context are refused, never cut
-    keep_alive(f.raw("keep_alive"))
+    parse_keep_alive(f.raw("keep_alive"))
     if f.raw("options") is not None and not isinstance(f.raw("options"), dict):
         raise invalid("options", "options: expected an object")
     f.check_unknown()

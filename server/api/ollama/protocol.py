@@ -10,13 +10,12 @@ the oldest unanswered call of its `tool_name` (else the oldest unanswered).
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
 from server.api.errors import invalid, unsupported
 from server.api.fields import Fields
 from server.api.generation.messages import parse_messages
-from server.api.generation.protocol import MODEL_DEFAULTED, ChatRequest
+from server.api.generation.protocol import MODEL_DEFAULTED, ChatRequest, parse_keep_alive
 from server.api.generation.reasoning import parse_thinking
 from server.api.generation.structured import ANY_OBJECT
 from server.api.generation.tools import parse_tools
@@ -28,7 +27,6 @@ OPTIONS = {"temperature": ("temperature", float), "top_p": ("top_p", float),
            "repeat_penalty": ("repetition_penalty", float),
            "presence_penalty": ("presence_penalty", float),
            "frequency_penalty": ("frequency_penalty", float)}
-KEEP_ALIVE = re.compile(r"^-?\d+(\.\d+)?(ns|us|µs|ms|s|m|h)?$")
 
 
 def parse_ollama_chat(body: dict[str, Any], vocab_size: int) -> ChatRequest:
@@ -65,7 +63,7 @@ def _request(f: Fields, messages: list[dict[str, Any]], tools: Any) -> ChatReque
     schema = _format(f.raw("format"))
     tool_use = parse_tools(tools, "auto" if tools else None, None) if tools else None
     thinking = parse_thinking(None, None, f.raw("think"), None)
-    stay = keep_alive(f.raw("keep_alive"))
+    stay = parse_keep_alive(f.raw("keep_alive"))
     kw, max_tokens, given = _options(f.raw("options"))
     for name in ("logprobs", "top_logprobs", "truncate", "shift", "dimensions"):
         if f.raw(name):
@@ -75,20 +73,6 @@ def _request(f: Fields, messages: list[dict[str, Any]], tools: Any) -> ChatReque
                        stream=stream, messages=messages, output_schema=schema,
                        tool_use=tool_use, thinking=thinking, keep_alive=stay,
                        left_out=frozenset(n for n in MODEL_DEFAULTED if n not in given))
-
-
-def keep_alive(v: Any) -> float | None:
-    """`keep_alive`: seconds (a number, or a duration such as "5m"; negative: forever)."""
-    if v is None:
-        return None
-    if isinstance(v, int | float) and not isinstance(v, bool):
-        return float(v)
-    if isinstance(v, str) and KEEP_ALIVE.match(v.strip()):
-        number = float(re.match(r"-?\d+(\.\d+)?", v.strip()).group())
-        unit = v.strip().lstrip("-0123456789.") or "s"
-        return number * {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1, "m": 60,
-                         "h": 3600}[unit]
-    raise invalid("keep_alive", f"keep_alive: invalid duration {v!r}")
 
 
 def _format(v: Any) -> dict[str, Any] | None:

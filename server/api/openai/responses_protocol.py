@@ -15,7 +15,13 @@ from typing import Any
 
 from server.api.errors import APIError, invalid, unsupported
 from server.api.fields import Fields
-from server.api.generation.protocol import MAX_TOP_LOGPROBS, ChatRequest, cache_hints, left_out
+from server.api.generation.protocol import (
+    MAX_TOP_LOGPROBS,
+    ChatRequest,
+    cache_hints,
+    left_out,
+    parse_keep_alive,
+)
 from server.api.generation.reasoning import Thinking, parse_thinking
 from server.api.generation.structured import parse_response_format
 from server.api.generation.tools import parse_tools
@@ -99,6 +105,7 @@ def parse_responses_request(body: dict[str, Any], vocab_size: int) -> ResponsesR
         raise invalid("background", "A background response is stored: 'background' needs "
                       "'store' true.")
     thinking = _reasoning(f.raw("reasoning"))
+    keep_alive = parse_keep_alive(f.raw("keep_alive"))
     f.refuse("prompt", (None,), "prompt templates")
     # calls to built-in tools, which localserve has none of: any bound holds (as on OpenAI
     # with function tools only)
@@ -112,7 +119,7 @@ def parse_responses_request(body: dict[str, Any], vocab_size: int) -> ResponsesR
     chat = ChatRequest(model=model, params=params, max_tokens=max_tokens, stream=stream,
                        user=user, messages=messages, output_schema=output_schema,
                        tool_use=tool_use, left_out=left_out(f, ("temperature", "top_p")),
-                       thinking=thinking)
+                       thinking=thinking, keep_alive=keep_alive)
     echo = {"instructions": instructions, "max_output_tokens": max_tokens,
             "metadata": metadata or {}, "parallel_tool_calls": parallel is not False,
             "previous_response_id": previous, "store": store, "background": background,
