@@ -156,11 +156,17 @@ class BatchStore:
 
     # -- lines -----------------------------------------------------------------------------------
 
-    def pending(self, batch_id: str, limit: int, skip: set[str]) -> list[dict[str, Any]]:
-        """Pending lines in input order, leaving out those already running (`skip`)."""
-        rows = self.db.db.query("select custom_id, line, body from batch_lines where batch_id "
-                                "= ? and state = 'pending' order by line limit ?",
-                                [batch_id, limit + len(skip)])
+    def pending(self, batch_id: str, limit: int, skip: set[str],
+                loaded: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+        """Pending lines, leaving out those already running (`skip`): those naming a `loaded`
+        model first, then grouped by the model they name, each group in input order (so a
+        batch of several models loads each once, not at every other line)."""
+        model = "json_extract(body, '$.model')"
+        first = f"case when {model} in ({', '.join('?' * len(loaded))}) then 0 else 1 end, " \
+            if loaded else ""
+        rows = self.db.db.query(f"select custom_id, line, body from batch_lines where batch_id "
+                                f"= ? and state = 'pending' order by {first}{model}, line "
+                                "limit ?", [batch_id, *loaded, limit + len(skip)])
         return [r for r in rows if r["custom_id"] not in skip][:limit]
 
     def line_counts(self, batch_id: str) -> dict[str, int]:

@@ -129,6 +129,12 @@ class HeldModels:
         view.last_used = time.monotonic()
         return view
 
+    def loaded_names(self) -> tuple[str, ...]:
+        """The loaded models' names, full and bare (batch lines naming them go first)."""
+        names = [self.state.served_name, *self.views] if self.state.engine is not None \
+            else list(self.views)
+        return tuple(n for name in names for n in (name, name.split(":")[0]))
+
     def keep(self, state: Any, seconds: float | None) -> None:
         """A request's keep-alive for its model (Ollama's semantics: 0 lets it go after this
         request, a negative one keeps it for good); the first model is held anyway."""

@@ -193,7 +193,8 @@ class BatchWorker:
         running = self.running.setdefault(batch_id, {})
         room = self.state.settings.batch_max_running - self.num_running
         if room > 0:
-            lines = await self.state.db.run(self.store.pending, batch_id, room, set(running))
+            lines = await self.state.db.run(self.store.pending, batch_id, room, set(running),
+                                            self.state.held.loaded_names())
             for line in lines:
                 cid = line["custom_id"]
                 running[cid] = asyncio.create_task(self._run_line(batch, cid, line["body"]))
