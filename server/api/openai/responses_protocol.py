@@ -104,8 +104,7 @@ def parse_responses_request(body: dict[str, Any], vocab_size: int) -> ResponsesR
     if background and not store:
         raise invalid("background", "A background response is stored: 'background' needs "
                       "'store' true.")
-    thinking = _reasoning(f.raw("reasoning"))
-    keep_alive = parse_keep_alive(f.raw("keep_alive"))
+    thinking, keep_alive = _reasoning(f.raw("reasoning")), parse_keep_alive(f.raw("keep_alive"))
     f.refuse("prompt", (None,), "prompt templates")
     # calls to built-in tools, which localserve has none of: any bound holds (as on OpenAI
     # with function tools only)
