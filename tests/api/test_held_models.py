@@ -67,7 +67,9 @@ def test_two_models_answer_by_name_and_the_idle_one_goes(two_models):
         while loaded(url) != ["tiny:bf16"]:  # 2 s idle, then the reaper's next round
             assert time.monotonic() < deadline, loaded(url)
             time.sleep(0.5)
-        assert anon_mb(two_models.proc.pid) < with_both - 40  # its weights went with it
+        while anon_mb(two_models.proc.pid) > with_both - 40:  # its weights go with it (the
+            assert time.monotonic() < deadline  # engine stops after /api/ps lists it gone)
+            time.sleep(0.2)
         assert {m.id: m.model_extra["loaded"] for m in c.models.list().data}[REAL] is False
         again = c.chat.completions.create(model=REAL, max_tokens=2, temperature=0,
                                           messages=[{"role": "user", "content": "Hi"}])
