@@ -222,21 +222,25 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _model_name(name: str | None) -> str:
-    """The stored name to serve; the default model is pulled on first use."""
-    from storage.models import ModelNotFoundError, ModelStore
+    """The stored name to serve; a catalogue model (the default among them) not stored yet is
+    pulled first, at the bits its tag names (4 without one)."""
+    from storage.models import TAGS, ModelNotFoundError, ModelStore
+    from storage.sources import CATALOGUE
 
     store = ModelStore()
     try:
         return store.resolve(name or DEFAULT_MODEL).name
     except ModelNotFoundError:
-        if name is not None:
+        alias, _, tag = (name or DEFAULT_MODEL).partition(":")
+        bits = {t: b for b, t in TAGS.items()}.get(tag or "int4")
+        if alias not in CATALOGUE or bits is None:
             raise ModelNotFoundError(f"model {name!r} is not in the store; pull it first: "
                                      f"localserve pull {name}") from None
     from cli.pull import pull
 
-    print(f"localserve: {DEFAULT_MODEL} is not in the store yet; pulling it at 4 bits",
+    print(f"localserve: {alias} is not in the store yet; pulling it at {bits} bits",
           file=sys.stderr, flush=True)
-    return pull(DEFAULT_MODEL, 4, store).name
+    return pull(alias, bits, store).name
 
 
 def exposure_warning(host: str, api_keys: tuple[str, ...]) -> str | None:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -89,3 +92,24 @@ def test_a_server_others_can_reach_without_a_key_says_so():
         assert exposure_warning(host, ("k",)) is None
     for host in ("127.0.0.1", "::1", "127.0.0.2"):
         assert exposure_warning(host, ()) is None
+
+
+@pytest.mark.real_model
+def test_a_catalogue_model_not_stored_yet_is_pulled_at_its_tags_bits(real_home, tmp_path,
+                                                                      monkeypatch):
+    """As a new user tries it: `serve smollm2-135m:int8` on an empty store pulls it first
+    (from the wheel the real-model tests cache: no download here)."""
+    import shutil
+
+    from cli.serve import _model_name
+    from storage.models import ModelNotFoundError
+
+    subprocess.run([sys.executable, "-m", "cli.main", "pull", "smollm2-135m", "--bits", "4"],
+                   env=dict(os.environ, LOCALSERVE_HOME=str(real_home)), check=True,
+                   capture_output=True, timeout=600)
+    shutil.copytree(real_home / "cache" / "wheels", tmp_path / "cache" / "wheels")
+    monkeypatch.setenv("LOCALSERVE_HOME", str(tmp_path))
+    assert _model_name("smollm2-135m:int8") == "smollm2-135m:int8"
+    assert (tmp_path / "models" / "smollm2-135m:int8" / "manifest.json").is_file()
+    with pytest.raises(ModelNotFoundError, match="pull it first"):
+        _model_name("smollm2-135m:q3")  # no such tag
