@@ -29,8 +29,9 @@ log = logging.getLogger("localserve")
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="run the OpenAI-compatible server")
-    p.add_argument("name", nargs="?", help=f"stored model (default: {DEFAULT_MODEL}, pulled "
-                   "at 4 bits if missing)")
+    p.add_argument("name", nargs="*", help=f"stored models to load at start and keep, the "
+                   f"first the default (default: {DEFAULT_MODEL}, pulled at 4 bits if missing); "
+                   "requests may name any other stored model too")
     p.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1 (this machine only)")
     p.add_argument("--port", type=int, default=8000, help="default 8000; 0 picks a free port")
     p.add_argument("--api-key", action="append", default=None,
@@ -165,7 +166,8 @@ def run(args: argparse.Namespace) -> int:
                                   if k])
     try:  # the settings check themselves; an error names its flag
         settings = ServerSettings(
-            model=args.name or DEFAULT_MODEL, api_keys=keys, max_pending=args.max_pending,
+            model=(args.name or [DEFAULT_MODEL])[0], api_keys=keys,
+            max_pending=args.max_pending,
             max_body_bytes=args.max_body_mb << 20, drain_timeout=args.drain_timeout,
             engine=EngineConfig(
                 max_num_seqs=args.max_num_seqs,
@@ -195,8 +197,9 @@ def run(args: argparse.Namespace) -> int:
         given = f", got {getattr(args, value)}" if value else ""
         message = e.message.split(", got")[0]
         raise ValueError(f"{flag} {message}{given}") from None
-    name = _model_name(args.name)
-    settings = replace(settings, model=name)
+    name, *more = [_model_name(n) for n in args.name or [None]]
+    settings = replace(settings, model=name, preload=tuple(more),
+                       pinned=settings.pinned + tuple(more))
     # The engine thread and the event loop share the GIL; a short switch interval keeps the
     # engine from waiting on the loop (measured: decode steps 61 -> 53 ms at one client).
     sys.setswitchinterval(0.0005)

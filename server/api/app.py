@@ -114,6 +114,8 @@ def create_app(settings: ServerSettings, state: ServerState | None = None) -> St
                 state.load_error = f"{type(e).__name__}: {e}"
                 log.error("loading %s failed: %s", settings.model, state.load_error)
                 return
+            for name in settings.preload:  # the other models `serve` named
+                await state.held.view_for(name)
             state.worker = BatchWorker(state)  # resumes batches left unfinished
             state.worker.start()
 

@@ -71,6 +71,7 @@ class ServerSettings:
     # Seconds a model loaded on demand is kept after its last request (None: for good)
     keep_alive: float | None = 300.0
     pinned: tuple[str, ...] = ()  # models never let go (serve --pin)
+    preload: tuple[str, ...] = ()  # more models `serve` names: loaded at start (and pinned)
     # Bytes the loaded models may hold together (weights and KV pools; None: no limit): a
     # load that would pass it first lets idle models go (held.py)
     memory_limit: int | None = None

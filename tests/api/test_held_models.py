@@ -290,3 +290,22 @@ def test_pending_lines_go_by_model_loaded_first(tmp_path):
         assert order == ["l3", "l1", "l4", "l0", "l2"]  # the loaded model's lines first
     finally:
         db.close()
+
+
+@pytest.mark.real_model
+def test_serve_with_two_names_loads_both_and_keeps_them(two_models, tmp_path):
+    root = tmp_path / "home"
+    (root / "models").mkdir(parents=True)
+    for name in ("tiny:bf16", REAL):
+        (root / "models" / name).symlink_to((two_models.home / "models" / name).resolve())
+    proc = ServerProcess(root, ["tiny:bf16", REAL, "--kv-cache-mb", "32", "--keep-alive", "1"],
+                         tmp_path / "server.log").start()
+    try:
+        deadline = time.monotonic() + 60
+        while loaded(proc.url) != ["tiny:bf16", REAL]:  # the second loads after the first
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        time.sleep(3)  # past the keep-alive: named at start, it is kept
+        assert loaded(proc.url) == ["tiny:bf16", REAL]
+    finally:
+        proc.stop()
