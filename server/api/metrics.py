@@ -92,8 +92,9 @@ def kind(priority: int) -> str:
     return "interactive" if priority <= PRIORITY_INTERACTIVE else "batch"
 
 
-def render(model: str, api: ApiMetrics, stats: dict[str, Any] | None) -> str:
-    """The /metrics page."""
+def render(model: str, api: ApiMetrics, engines: list[tuple[str, dict[str, Any]]]) -> str:
+    """The /metrics page: each loaded model's engine (`engines`: name and stats), and the
+    requests of the server (labelled with its first model, `model`)."""
     lines: list[str] = []
 
     def metric(name: str, kind_: str, help_: str, samples: list[tuple[str, float]]) -> None:
@@ -103,53 +104,62 @@ def render(model: str, api: ApiMetrics, stats: dict[str, Any] | None) -> str:
             lines.append(f"localserve:{name}{{{labels}}} {v}")
 
     m = f'model_name="{model}"'
-    if stats is not None:
+
+    def per(value) -> list[tuple[str, float]]:
+        """Each model's sample: a stat by its key, or computed from its stats."""
+        get = (lambda st: st[value]) if isinstance(value, str) else value
+        return [(f'model_name="{name}"', get(stats)) for name, stats in engines]
+
+    if engines:
         metric("num_requests_running", "gauge", "Sequences in the running batch.",
-               [(m, stats["num_running"])])
+               per("num_running"))
         metric("num_requests_waiting", "gauge", "Sequences waiting to be scheduled.",
-               [(m, stats["num_waiting"])])
+               per("num_waiting"))
         metric("kv_cache_usage_perc", "gauge", "Fraction of KV-cache blocks in use (0-1).",
-               [(m, stats["kv_blocks_used"] / max(1, stats["kv_blocks_total"]))])
+               per(lambda stats: stats["kv_blocks_used"] / max(1, stats["kv_blocks_total"])))
         metric("kv_cache_blocks_used", "gauge", "KV-cache blocks in use.",
-               [(m, stats["kv_blocks_used"])])
+               per("kv_blocks_used"))
         metric("kv_cache_blocks_total", "gauge", "KV-cache blocks in the pool.",
-               [(m, stats["kv_blocks_total"])])
+               per("kv_blocks_total"))
         metric("kv_cache_resident_bytes", "gauge", "KV-cache memory written and not handed "
                "back (blocks times block bytes).",
-               [(m, stats["kv_blocks_resident"] * stats["kv_block_bytes"]
-                 + stats["kv_window_blocks_resident"] * stats["kv_window_block_bytes"])])
+               per(lambda stats: stats["kv_blocks_resident"] * stats["kv_block_bytes"]
+                   + stats["kv_window_blocks_resident"] * stats["kv_window_block_bytes"]))
         metric("kv_cache_window_blocks_used", "gauge", "Blocks in use in the sliding-window "
-               "layers' own KV pool (0 without one).", [(m, stats["kv_window_blocks_used"])])
+               "layers' own KV pool (0 without one).", per("kv_window_blocks_used"))
         metric("kv_cache_window_blocks_total", "gauge", "Blocks in the sliding-window layers' "
-               "own KV pool (0 without one).", [(m, stats["kv_window_blocks_total"])])
+               "own KV pool (0 without one).", per("kv_window_blocks_total"))
         metric("kv_cache_blocks_cached_free", "gauge", "Free KV-cache blocks still holding "
-               "prefix-cache content (evictable).", [(m, stats["kv_blocks_cached_free"])])
+               "prefix-cache content (evictable).", per("kv_blocks_cached_free"))
         metric("prefix_cache_queries_total", "counter", "Prompt tokens looked up in the "
-               "prefix cache.", [(m, stats["prefix_cache_queries"])])
+               "prefix cache.", per("prefix_cache_queries"))
         metric("prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache.",
-               [(m, stats["prefix_cache_hits"])])
+               per("prefix_cache_hits"))
         metric("num_preemptions_total", "counter", "Sequences preempted for lack of KV blocks.",
-               [(m, stats["num_preemptions"])])
+               per("num_preemptions"))
         metric("prediction_draft_tokens_total", "counter", "Predicted-output tokens drafted "
-               "and checked.", [(m, stats["prediction_draft_tokens"])])
+               "and checked.", per("prediction_draft_tokens"))
         metric("prediction_accepted_tokens_total", "counter", "Drafted predicted-output tokens "
-               "the replies kept.", [(m, stats["prediction_accepted_tokens"])])
+               "the replies kept.", per("prediction_accepted_tokens"))
         metric("replies_recached_total", "counter", "Finished replies computed as prompt while "
-               "idle, for the next turn.", [(m, stats["replies_recached"])])
+               "idle, for the next turn.", per("replies_recached"))
         metric("replies_to_recache", "gauge", "Finished replies waiting to be computed as "
-               "prompt (the server is idle for them).", [(m, stats["replies_to_recache"])])
+               "prompt (the server is idle for them).", per("replies_to_recache"))
         for key, name, help_ in (("prompt_tokens", "prompt_tokens_total",
                                   "Prompt tokens computed."),
                                  ("generation_tokens", "generation_tokens_total",
                                   "Tokens generated.")):
-            by_kind: Counter[str] = Counter()
-            for priority, n in stats[key].items():
-                by_kind[kind(priority)] += n
-            metric(name, "counter", help_,
-                   [(f'{m},kind="{k}"', by_kind[k]) for k in ("interactive", "batch")])
-        metric("engine_steps_total", "counter", "Engine steps run.", [(m, stats["num_steps"])])
+            samples = []
+            for model_name, stats in engines:
+                by_kind: Counter[str] = Counter()
+                for priority, n in stats[key].items():
+                    by_kind[kind(priority)] += n
+                samples += [(f'model_name="{model_name}",kind="{k}"', by_kind[k])
+                            for k in ("interactive", "batch")]
+            metric(name, "counter", help_, samples)
+        metric("engine_steps_total", "counter", "Engine steps run.", per("num_steps"))
         metric("engine_step_seconds_total", "counter", "Time spent in engine steps.",
-               [(m, stats["step_seconds"])])
+               per("step_seconds"))
     metric("request_success_total", "counter", "Finished requests by finish reason.",
            [(f'{m},finished_reason="{r}"', api.finished[r]) for r in FINISH_REASONS])
     metric("request_rejected_total", "counter", "Requests refused with 429 (queue full).",

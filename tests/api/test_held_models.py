@@ -60,6 +60,9 @@ def test_two_models_answer_by_name_and_the_idle_one_goes(two_models):
                                             messages=[{"role": "user", "content": "Hi"}])
             assert got.model == (REAL if model == "smollm2-135m" else model)
         assert loaded(url) == ["tiny:bf16", REAL]
+        metrics = httpx.get(f"{url}/metrics").text  # each loaded model's engine
+        for name in ("tiny:bf16", REAL):
+            assert f'localserve:engine_steps_total{{model_name="{name}"}}' in metrics
         listed = {m.id: m.model_extra["loaded"] for m in c.models.list().data}
         assert listed == {"tiny:bf16": True, REAL: True}
         with_both = anon_mb(two_models.proc.pid)

@@ -27,8 +27,9 @@ async def health(request: Request) -> Response:
 
 async def prometheus(request: Request) -> Response:
     state: ServerState = request.app.state.server
-    stats = state.engine.stats() if state.engine is not None else None
-    return PlainTextResponse(metrics.render(state.served_name, state.metrics, stats),
+    loaded = [state, *state.held.views.values()] if state.engine is not None else []
+    engines = [(view.served_name, view.engine.stats()) for view in loaded]
+    return PlainTextResponse(metrics.render(state.served_name, state.metrics, engines),
                              media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
