@@ -312,3 +312,29 @@ def test_serve_with_two_names_loads_both_and_keeps_them(two_models, tmp_path):
         assert loaded(proc.url) == ["tiny:bf16", REAL]
     finally:
         proc.stop()
+
+
+@pytest.mark.real_model
+def test_the_dashboard_lists_the_loaded_models(two_models):
+    from tests.api.ops.test_dashboard import CHROMIUM, FLAGS, Page
+
+    if CHROMIUM is None:
+        pytest.skip("no chromium on this machine (apt-get install chromium)")
+    from playwright.sync_api import sync_playwright
+
+    httpx.post(f"{two_models.url}/v1/chat/completions", timeout=60, json={
+        "model": REAL, "max_tokens": 1, "keep_alive": 120,  # loaded, and kept a while
+        "messages": [{"role": "user", "content": "Hi"}]})
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        page = Page(browser, two_models.url)
+        try:
+            page.wait_text("#models", REAL)
+            rows = page.page.eval_on_selector_all(
+                "#models tbody tr", "rows => rows.map(r => [...r.cells].map(c => c.textContent))")
+            assert [r[0] for r in rows] == ["tiny:bf16", REAL]
+            assert rows[0][3] == "kept" and rows[1][3] in ("1 min", "2 min")  # 120 s, counting
+            assert all(r[1].endswith(" MB") for r in rows) and page.errors == []
+        finally:
+            page.close()
+            browser.close()

@@ -72,5 +72,23 @@ async def dashboard_state(request: Request) -> Response:
         "latency": {"ttft_p50": ttft[0], "ttft_p95": ttft[1], "itl_p50": itl[0],
                     "itl_p95": itl[1]},
         "throughput": list(state.throughput.samples),
+        "models": _loaded_models(state),
     }
     return JSONResponse(out)
+
+
+def _loaded_models(state: ServerState) -> list[dict[str, Any]]:
+    """Each loaded model: the memory it holds (weights and KV pool), its requests, and when
+    it goes (None: kept)."""
+    now, keep = time.monotonic(), state.settings.keep_alive
+    out = []
+    for view in [state, *state.held.views.values()]:
+        stats = view.engine.stats()
+        kept = view is state or view.served_name in state.settings.pinned or keep is None
+        own = view.keep_alive if view is not state else None
+        stay = own if own is not None else keep
+        out.append({"name": view.served_name, "bytes": state.held.footprint(view),
+                    "running": stats["num_running"] + stats["num_waiting"],
+                    "goes_in": None if kept or (stay is not None and stay < 0) else max(
+                        0.0, view.last_used + (stay or 0.0) - now)})
+    return out

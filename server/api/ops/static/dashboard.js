@@ -68,6 +68,20 @@ function renderState(s) {
   text("cache-hit", hit === null ? "–" : `${(100 * hit).toFixed(1)}%`);
   text("preemptions", s.preemptions);
   renderChart(s.throughput);
+  renderModels(s.models || []);
+}
+
+function renderModels(models) {
+  const body = $("models").querySelector("tbody");
+  body.replaceChildren();
+  for (const m of models) {
+    const row = body.insertRow();
+    row.dataset.name = m.name;
+    row.insertCell().textContent = m.name;
+    row.insertCell().textContent = `${(m.bytes / 2 ** 20).toFixed(0)} MB`;
+    row.insertCell().textContent = m.running;
+    row.insertCell().textContent = m.goes_in === null ? "kept" : duration(m.goes_in);
+  }
 }
 
 function renderChart(samples) {
