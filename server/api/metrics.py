@@ -105,8 +105,7 @@ def render(model: str, api: ApiMetrics, engines: list[tuple[str, dict[str, Any]]
 
     m = f'model_name="{model}"'
 
-    def per(value) -> list[tuple[str, float]]:
-        """Each model's sample: a stat by its key, or computed from its stats."""
+    def per(value) -> list[tuple[str, float]]:  # each model's: a stat's key, or a function
         get = (lambda st: st[value]) if isinstance(value, str) else value
         return [(f'model_name="{name}"', get(stats)) for name, stats in engines]
 
