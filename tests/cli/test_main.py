@@ -28,7 +28,9 @@ def test_nested_subcommands_and_other_commands():
     a = parse(["eval", "--json", "m:int4", "--reference", "m:bf16"])
     assert (a.name, a.reference, a.json) == ("m:int4", "m:bf16", True)
     a = parse(["serve", "--port", "0", "m:int4", "--dtype", "bf16"])
-    assert (a.name, a.port, a.dtype) == ("m:int4", 0, "bf16")
+    assert (a.name, a.port, a.dtype) == (["m:int4"], 0, "bf16")
+    assert parse(["serve", "a:int4", "b:int8"]).name == ["a:int4", "b:int8"]  # several
+    assert parse(["serve"]).name == []
     a = parse(["pull", "--bits", "8", "smollm2-135m"])
     assert (a.model, a.bits) == ("smollm2-135m", 8)
 
