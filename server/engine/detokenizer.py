@@ -26,7 +26,7 @@ class IncrementalDetokenizer:
         self.stopped_by: str | None = None
 
     def _decode(self, ids: list[int]) -> str:
-        if not self.shown.intersection(ids):
+        if not self.shown or self.shown.isdisjoint(ids):  # every token, most with none shown
             return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
         parts, run = [], []
         for token_id in ids:  # the runs between shown tokens, and each shown token's text

@@ -17,7 +17,6 @@ int4 in our layout, an activation it lacks) SparseMoE runs its modules.
 from __future__ import annotations
 
 import ctypes
-import threading
 from pathlib import Path
 
 import torch
@@ -33,16 +32,8 @@ _P, _I, _F, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _ARGTYPES = [_P, _C, _P, _P, _I, _I, _P, _P, _I, _P, _P, _P, _P, _I, _I, _I, _I, _I, _C, _F,
              _F, _C]
 
-_lock = threading.Lock()
-_state: list = []  # [the checked library or None], once per process
-
-
-def _lib():
-    if not _state:
-        with _lock:
-            if not _state:
-                _state.append(loader.checked(SOURCE, "", lambda lib: _self_check(typed(lib))))
-    return _state[0]
+# the checked library or None, built once per process
+_lib = loader.once(lambda: loader.checked(SOURCE, "", lambda lib: _self_check(typed(lib))))
 
 
 def typed(lib):

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import threading
 from pathlib import Path
 
 import torch
@@ -44,16 +43,7 @@ _SIGNATURES = {
     "dense_gemm": [_P, _P, _P, _I, _I, _I, ctypes.c_int, ctypes.c_int, ctypes.c_int],
 }
 
-_lock = threading.Lock()
-_state: list = []  # [the checked library or None], once per process
-
-
-def _lib():
-    if not _state:
-        with _lock:
-            if not _state:
-                _state.append(_open_checked())
-    return _state[0]
+_lib = loader.once(lambda: _open_checked())  # the checked library or None, built once
 
 
 def enabled() -> bool:

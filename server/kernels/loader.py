@@ -36,6 +36,20 @@ _libraries: dict[tuple[Path, ...], ctypes.CDLL | None] = {}
 _warned: set[str] = set()
 
 
+def once(build: Callable[[], ctypes.CDLL | None]) -> Callable[[], ctypes.CDLL | None]:
+    """`build` run on the first call only (under a lock: two threads never build twice), its
+    result, the checked library or None, returned to every call."""
+    lock, done = threading.Lock(), []
+
+    def get() -> ctypes.CDLL | None:
+        if not done:
+            with lock:
+                if not done:
+                    done.append(build())
+        return done[0]
+    return get
+
+
 def int4_unpack() -> Callable[..., int] | None:
     """int4pack_to_bf16_t(packed, scales_zeros, out, n, k, group, k0, k1, block) -> 0 on success
     (pointers as ints), or None when no compiled helper is available."""

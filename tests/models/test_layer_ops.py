@@ -21,7 +21,7 @@ TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 @pytest.fixture
 def pytorch_only(monkeypatch):
     """layer_ops unavailable (what a machine without a C compiler gets)."""
-    monkeypatch.setattr(layer_ops, "_state", [None])
+    monkeypatch.setattr(layer_ops, "_lib", lambda: None)
 
 
 def test_built_and_checked_here():
@@ -71,7 +71,7 @@ def test_paged_decode_matches_pytorch_and_is_batch_invariant(dtype, cache_dtype,
         alone = layer_ops.paged_decode(q[i:i + 1].contiguous(), k, v, one.context_slots,
                                        one.lens, d**-0.5)
         assert torch.equal(alone[0], got[i])  # the batch and its padding change nothing
-    monkeypatch.setattr(layer_ops, "_state", [None])
+    monkeypatch.setattr(layer_ops, "_lib", lambda: None)
     g.fp32 = True
     want = attention._decodes(q, k, v, g, d**-0.5, hkv, hq // hkv)
     torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
@@ -190,7 +190,7 @@ def test_model_with_and_without_layer_ops_agree(monkeypatch):
     ours = ours_from_hf(hf_model("llama", seed=3))
     ids = prompt(40)
     fused_logits, fused_tokens = prompt_logits(ours, ids), greedy_generate(ours, ids, 24)
-    monkeypatch.setattr(layer_ops, "_state", [None])
+    monkeypatch.setattr(layer_ops, "_lib", lambda: None)
     torch.testing.assert_close(fused_logits, prompt_logits(ours, ids), atol=1e-5, rtol=1e-5)
     assert fused_tokens == greedy_generate(ours, ids, 24)
 

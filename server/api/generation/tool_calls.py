@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,7 +53,7 @@ class Parsed:
     calls: list[CallDelta] = field(default_factory=list)
 
 
-class StepParser:
+class StepParser(ABC):
     """Text fed in pieces, decided a step at a time (`_step`: False when it needs more)."""
 
     _text: str
@@ -64,8 +65,9 @@ class StepParser:
             pass
         return out
 
+    @abstractmethod
     def _step(self, out: Parsed) -> bool:
-        raise NotImplementedError
+        """Decide what the text so far allows into `out`; True to go on."""
 
 
 class ToolCallParser(StepParser):
