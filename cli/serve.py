@@ -20,7 +20,7 @@ from dataclasses import replace
 import uvicorn
 
 from server.api.generation.tool_formats import CHOICES as TOOL_FORMATS
-from server.api.held import default_memory_limit
+from server.api.held import Route, check_routes, default_memory_limit
 from server.models.tokenizer import REASONING_CHOICES
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -110,6 +110,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "memory)")
     p.add_argument("--pin", action="append", default=None, metavar="NAME",
                    help="a model never let go once loaded (repeatable)")
+    p.add_argument("--route", action="append", default=None,
+                   metavar="NAME=SMALL,LARGE[,CONFIDENCE]",
+                   help="a name requests may put in `model`: SMALL answers, and LARGE where "
+                   "SMALL's confidence in its answer (the geometric mean probability of its "
+                   "tokens) is below CONFIDENCE (default 0.5); two stored models sharing a "
+                   "tokenizer (repeatable)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads for the model (default: torch's, one per core)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: auto)")
@@ -145,6 +151,7 @@ FLAGS = {
     "max_reasoning_tokens": ("--max-reasoning-tokens", "max_reasoning_tokens"),
     "keep_alive": ("--keep-alive", "keep_alive"),
     "memory_limit": ("--memory-limit", "memory_limit"),
+    "routes": ("--route", None),
 }
 
 
@@ -191,13 +198,15 @@ def run(args: argparse.Namespace) -> int:
             keep_alive=None if args.keep_alive < 0 else args.keep_alive,
             pinned=tuple(args.pin or ()),
             memory_limit=default_memory_limit() if args.memory_limit is None
-            else args.memory_limit << 20)
+            else args.memory_limit << 20,
+            routes=_routes(args.route or ()))
     except ConfigError as e:
         flag, value = FLAGS.get(e.field, (e.field, None))
         given = f", got {getattr(args, value)}" if value else ""
         message = e.message.split(", got")[0]
         raise ValueError(f"{flag} {message}{given}") from None
     name, *more = [_model_name(n) for n in args.name or [None]]
+    check_routes(None, settings.routes)
     settings = replace(settings, model=name, preload=tuple(more),
                        pinned=settings.pinned + tuple(more))
     # The engine thread and the event loop share the GIL; a short switch interval keeps the
@@ -222,6 +231,24 @@ def run(args: argparse.Namespace) -> int:
         print(f"localserve: error: {state.load_error}", file=sys.stderr)
         return 1
     return 0
+
+
+def _routes(given: list[str]) -> dict[str, Route]:
+    """--route NAME=SMALL,LARGE[,CONFIDENCE] (repeatable) by name; the settings check each."""
+    routes: dict[str, Route] = {}
+    for text in given:
+        name, _, parts = text.partition("=")
+        small, large, *rest = [*(p.strip() for p in parts.split(",")), ""][:3]
+        try:
+            confidence = float(rest[0]) if rest and rest[0] else 0.5
+        except ValueError:
+            raise ValueError(f"--route {text}: CONFIDENCE must be a number from 0 to 1") \
+                from None
+        if name in routes or not small or not large or parts.count(",") > 2:
+            raise ValueError(f"--route {text}: give NAME=SMALL,LARGE[,CONFIDENCE] (each NAME "
+                             "once)")
+        routes[name] = Route(small, large, confidence)
+    return routes
 
 
 def _model_name(name: str | None) -> str:

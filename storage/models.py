@@ -79,6 +79,27 @@ class StoredModel:
                 )
 
 
+def same_prompting(a: StoredModel, b: StoredModel) -> bool:
+    """Both models turn a conversation into the same tokens and read the same vocabulary: one
+    tokenizer (its vocabulary, merges, special tokens, normalizing), one chat template, one
+    vocabulary size."""
+    def prompting(m: StoredModel) -> tuple:
+        tok = _read_json(m.path / "tokenizer.json")
+        kept = {k: tok.get(k) for k in ("added_tokens", "normalizer", "pre_tokenizer",
+                                        "post_processor", "decoder", "model")}
+        template = m.path / "chat_template.jinja"
+        return (kept, template.read_text() if template.is_file() else None,
+                m.manifest.get("config", {}).get("vocab_size"))
+    return prompting(a) == prompting(b)
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
 class ModelStore:
     def __init__(self, home: Path | None = None) -> None:
         self.home = Path(home) if home else home_dir()

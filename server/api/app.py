@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -106,7 +107,9 @@ def create_app(settings: ServerSettings, state: ServerState | None = None) -> St
         async def load() -> None:
             try:
                 if state.engine is None:
+                    started = time.monotonic()
                     await asyncio.to_thread(load_into, state)
+                    state.metrics.load_seconds = time.monotonic() - started
                 log.info("model %s ready on %s, %s compute; %s", state.served_name,
                          state.engine.device, str(state.engine.dtype).removeprefix("torch."),
                          kv_summary(state.engine.stats(), settings.engine, state.engine.device))

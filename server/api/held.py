@@ -17,9 +17,11 @@ import logging
 import re
 import threading
 import time
-from typing import Any
+from collections import Counter
+from typing import Any, NamedTuple
 
-from server.api.errors import APIError, model_not_found
+from server.api.errors import APIError, invalid, model_not_found
+from server.api.metrics import ApiMetrics
 
 ServerState = Any  # server/api/state.py's, which holds these (it imports this module)
 
@@ -36,8 +38,9 @@ class ModelView:
         self._state = state
         self.engine: Any = None
         self.keep_alive: float | None = None  # a request's (Ollama's keep_alive), else serve's
-        self.in_flight = 0  # admitted interactive requests
+        self.in_flight = 0  # admitted interactive requests (and routes' holds)
         self.loaded_at = self.last_used = time.monotonic()
+        self.metrics = ApiMetrics()  # its requests' latencies and finishes
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._state, name)
@@ -71,6 +74,99 @@ class ModelView:
         return self.in_flight == 0 and not self.engine.output.requests
 
 
+class Route(NamedTuple):
+    """`serve --route NAME=SMALL,LARGE[,CONFIDENCE]`: SMALL answers; below CONFIDENCE (the
+    geometric mean probability of its tokens) LARGE does (api/generation/cascade.py)."""
+
+    small: str
+    large: str
+    confidence: float = 0.5
+
+
+def hold(state: Any, n: int) -> None:
+    """Count `n` more (or fewer) users of a held model: it is not let go while it has any."""
+    if isinstance(state, ModelView):
+        state.in_flight += n
+        state.last_used = time.monotonic()
+
+
+class RouteView:
+    """A request naming a route (`serve --route NAME=SMALL,LARGE`) sees the small model's
+    state (the large one shares its tokenizer and chat template: check_routes), holds both
+    models while it runs, and answers as the model that answered (generation/cascade.py
+    decides and names it)."""
+
+    def __init__(self, route: str, small: Any, large: Any) -> None:
+        self.route, self.small, self.large = route, small, large
+        self.served_name = small.served_name  # until the cascade decides
+        self.max_request_tokens = min(small.max_request_tokens, large.max_request_tokens)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.small, name)
+
+    def acquire(self) -> None:
+        self.small.acquire()
+        hold(self.large, 1)
+
+    def release(self) -> None:
+        self.small.release()
+        hold(self.large, -1)
+
+    def ready_engine(self) -> Any:
+        return _RouteEngine(self.route, self.small.ready_engine(), self.large.ready_engine())
+
+    def serves(self, name: object) -> bool:
+        return name == self.route
+
+    def check_model(self, name: str) -> None:
+        if not self.serves(name):
+            raise model_not_found(name)
+
+    def check_generates(self) -> None:
+        self.small.check_generates()
+        self.large.check_generates()
+
+
+class _RouteEngine:
+    """A route's engines as far as requests check them: a request fits if it fits both;
+    nothing is embedded through a route."""
+
+    def __init__(self, route: str, small: Any, large: Any) -> None:
+        self.route, self.small, self.large = route, small, large
+
+    def check(self, num_prompt_tokens: int, params: Any) -> None:
+        self.small.check(num_prompt_tokens, params)
+        self.large.check(num_prompt_tokens, params)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("embed", "generate"):
+            raise invalid("model", f"`{self.route}` is a route between two models: it answers "
+                          "generating requests; name one of its models here.",
+                          code="model_not_supported")
+        return getattr(self.small, name)
+
+
+def check_routes(home: Any, routes: dict[str, Route]) -> None:
+    """Each route's models are in the store and share a tokenizer and chat template (one
+    prompt's tokens serve both), and no stored model goes by the route's name; raises
+    ValueError (one line) if not."""
+    from storage.models import ModelNotFoundError, ModelStore, same_prompting
+
+    store = ModelStore(home)
+    stored = {n for m in store.list() for n in (m.name, m.name.split(":")[0])}
+    for name, (small, large, _) in routes.items():
+        if name in stored:
+            raise ValueError(f"--route {name}: a stored model has that name; pick another")
+        try:
+            a, b = store.resolve(small), store.resolve(large)
+        except ModelNotFoundError as e:
+            raise ValueError(f"--route {name}: {e}") from None
+        if not same_prompting(a, b):
+            raise ValueError(f"--route {name}: {a.name} and {b.name} do not share a tokenizer "
+                             "and chat template; a route's two models must (one family at two "
+                             "sizes, or one model at two bits)")
+
+
 def default_memory_limit() -> int | None:
     """Four fifths of the machine's memory (Linux's MemTotal), or None where unknown."""
     try:
@@ -101,6 +197,7 @@ class HeldModels:
         self.step_lock = threading.Lock()  # every held engine's, the first's included
         self._loading: dict[str, asyncio.Lock] = {}
         self.room_wait = ROOM_WAIT
+        self.routed: Counter[tuple[str, str]] = Counter()  # (route, answering model) requests
 
     def find(self, name: Any) -> ServerState | ModelView | None:
         """The state that serves `name` now, if any (the first model's, or a held one's)."""
@@ -113,9 +210,12 @@ class HeldModels:
                 return view
         return None
 
-    async def view_for(self, name: Any) -> ServerState | ModelView:
-        """The state a request naming `name` runs on: loading the model if the store has it;
-        404 model_not_found if not (a name that is not a string is the parser's to refuse)."""
+    async def view_for(self, name: Any) -> ServerState | ModelView | RouteView:
+        """The state a request naming `name` runs on: loading the model if the store has it
+        (both of a route's); 404 model_not_found if not (a name that is not a string is the
+        parser's to refuse)."""
+        if isinstance(name, str) and name in self.state.settings.routes:
+            return await self._route(name)
         found = self.find(name)
         if found is not None or not isinstance(name, str):
             return found or self.state
@@ -128,6 +228,18 @@ class HeldModels:
         view = self.views[stored.name]
         view.last_used = time.monotonic()
         return view
+
+    async def _route(self, name: str) -> RouteView:
+        """A request's view of a route, both its models loaded (the small one held while the
+        large one loads: making room never lets it go)."""
+        small_name, large_name, _ = self.state.settings.routes[name]
+        small = await self.view_for(small_name)
+        hold(small, 1)
+        try:
+            large = await self.view_for(large_name)
+        finally:
+            hold(small, -1)
+        return RouteView(name, small, large)
 
     def loaded_names(self) -> tuple[str, ...]:
         """The loaded models' names, full and bare (batch lines naming them go first)."""
@@ -146,7 +258,10 @@ class HeldModels:
         return any(view.serves(name) for name in self.state.settings.pinned)
 
     def has(self, name: Any) -> bool:
-        """The store holds a model `name` names (a batch line may name it)."""
+        """The store holds a model `name` names, or it is a route (a batch line may name
+        it)."""
+        if isinstance(name, str) and name in self.state.settings.routes:
+            return True
         try:
             return isinstance(name, str) and bool(self.stored(name))
         except Exception:  # noqa: BLE001 - model_not_found
@@ -176,7 +291,8 @@ class HeldModels:
             defaults, _ = sampling_defaults(stored.path, stored.manifest.get("alias", ""))
         view = ModelView(self.state)
         type(self.state).attach(view, engine, stored.name, stored.manifest, defaults)
-        log.info("model %s loaded on demand in %.1f s", stored.name, time.monotonic() - started)
+        view.metrics.load_seconds = time.monotonic() - started
+        log.info("model %s loaded on demand in %.1f s", stored.name, view.metrics.load_seconds)
         return view
 
     async def reap(self, keep_alive: float | None, now: float | None = None) -> list[str]:

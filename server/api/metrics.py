@@ -64,6 +64,7 @@ class ApiMetrics:
         self.e2e = Histogram(E2E_BUCKETS)
         self.finished: Counter[str] = Counter()  # by finish reason
         self.num_rejected = 0  # 429s
+        self.load_seconds: float | None = None  # how long its model took to load
 
 
 class Throughput:
@@ -92,9 +93,11 @@ def kind(priority: int) -> str:
     return "interactive" if priority <= PRIORITY_INTERACTIVE else "batch"
 
 
-def render(model: str, api: ApiMetrics, engines: list[tuple[str, dict[str, Any]]]) -> str:
-    """The /metrics page: each loaded model's engine (`engines`: name and stats), and the
-    requests of the server (labelled with its first model, `model`)."""
+def render(requests: list[tuple[str, ApiMetrics]], engines: list[tuple[str, dict[str, Any]]],
+           routed: Counter[tuple[str, str]] | None = None) -> str:
+    """The /metrics page: each loaded model's engine (`engines`: name and stats) and requests
+    (`requests`: name and what the HTTP layer observed), and the requests each route sent to
+    each of its models (`routed`: by route and model)."""
     lines: list[str] = []
 
     def metric(name: str, kind_: str, help_: str, samples: list[tuple[str, float]]) -> None:
@@ -102,8 +105,6 @@ def render(model: str, api: ApiMetrics, engines: list[tuple[str, dict[str, Any]]
         lines.append(f"# TYPE localserve:{name} {kind_}")
         for labels, v in samples:
             lines.append(f"localserve:{name}{{{labels}}} {v}")
-
-    m = f'model_name="{model}"'
 
     def per(value) -> list[tuple[str, float]]:  # each model's: a stat's key, or a function
         get = (lambda st: st[value]) if isinstance(value, str) else value
@@ -159,19 +160,36 @@ def render(model: str, api: ApiMetrics, engines: list[tuple[str, dict[str, Any]]
         metric("engine_steps_total", "counter", "Engine steps run.", per("num_steps"))
         metric("engine_step_seconds_total", "counter", "Time spent in engine steps.",
                per("step_seconds"))
+    _requests(metric, lines, requests, routed)
+    return "\n".join(lines) + "\n"
+
+
+def _requests(metric: Any, lines: list[str], requests: list[tuple[str, ApiMetrics]],
+              routed: Counter[tuple[str, str]] | None) -> None:
+    """The request-level samples of render(): each model's finishes, 429s and latencies, and
+    the routes' choices."""
     metric("request_success_total", "counter", "Finished requests by finish reason.",
-           [(f'{m},finished_reason="{r}"', api.finished[r]) for r in FINISH_REASONS])
+           [(f'model_name="{name}",finished_reason="{r}"', api.finished[r])
+            for name, api in requests for r in FINISH_REASONS])
     metric("request_rejected_total", "counter", "Requests refused with 429 (queue full).",
-           [(m, api.num_rejected)])
-    for name, hist, help_ in (
-        ("time_to_first_token_seconds", api.ttft, "Time to first token."),
-        ("inter_token_latency_seconds", api.itl, "Time between streamed tokens."),
-        ("e2e_request_latency_seconds", api.e2e, "Request latency, arrival to finish."),
+           [(f'model_name="{name}"', api.num_rejected) for name, api in requests])
+    metric("model_load_seconds", "gauge", "How long the model took to load (its weights read, "
+           "its engine started).", [(f'model_name="{name}"', api.load_seconds)
+                                    for name, api in requests if api.load_seconds is not None])
+    if routed:
+        metric("route_requests_total", "counter", "Requests naming a route, by the model that "
+               "answered.", [(f'route="{route}",model_name="{name}"', n)
+                             for (route, name), n in sorted(routed.items())])
+    for name, attr, help_ in (
+        ("time_to_first_token_seconds", "ttft", "Time to first token."),
+        ("inter_token_latency_seconds", "itl", "Time between streamed tokens."),
+        ("e2e_request_latency_seconds", "e2e", "Request latency, arrival to finish."),
     ):
         lines.append(f"# HELP localserve:{name} {help_}")
         lines.append(f"# TYPE localserve:{name} histogram")
-        lines += [_label(line, m) for line in hist.lines(f"localserve:{name}")]
-    return "\n".join(lines) + "\n"
+        for model, api in requests:
+            lines += [_label(line, f'model_name="{model}"')
+                      for line in getattr(api, attr).lines(f"localserve:{name}")]
 
 
 def _label(line: str, label: str) -> str:

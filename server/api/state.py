@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from server.api.errors import APIError, invalid, model_not_found
-from server.api.held import HeldModels
+from server.api.held import HeldModels, Route
 from server.api.metrics import ApiMetrics, Throughput
 from server.api.usage import Prices, UsageMeter
 from server.engine.async_engine import AsyncEngine
@@ -32,6 +32,7 @@ from storage.responses import ResponseStore
 from storage.threads import ThreadStore
 
 GENERATION_CONFIGS = ("auto", "vllm", "none")
+ROUTE_NAME = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]*$")
 
 
 class Wakeable(Protocol):
@@ -78,6 +79,9 @@ class ServerSettings:
     # How tool calls are written: "auto" (from the chat template) or a format's name
     # (api/generation/tool_formats.py; the CLI checks the name)
     tool_format: str = "auto"
+    # Names a request may put in `model` (`serve --route`): the route's small model answers,
+    # its large one where the small one is not confident (api/generation/cascade.py)
+    routes: dict[str, Route] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         at_least(self, 1, "max_pending", "max_body_bytes", "threads", "batch_window_seconds",
@@ -86,6 +90,13 @@ class ServerSettings:
         at_least(self, 0.001, "grammar_timeout")
         at_least(self, 0, "max_reasoning_tokens", "keep_alive")
         at_least(self, 1, "memory_limit")
+        for name, route in self.routes.items():
+            if not ROUTE_NAME.match(name) or route.small == route.large \
+                    or not 0 <= route.confidence <= 1:
+                raise ConfigError("routes", f"{name}={route.small},{route.large},"
+                                  f"{route.confidence} is not a route: give NAME=SMALL,LARGE"
+                                  "[,CONFIDENCE], two models, NAME without ':', CONFIDENCE "
+                                  "0..1")
         if self.reasoning_format not in REASONING_CHOICES:
             raise ConfigError("reasoning_format",
                               f"must be one of {', '.join(REASONING_CHOICES)}")

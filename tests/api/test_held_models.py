@@ -61,8 +61,11 @@ def test_two_models_answer_by_name_and_the_idle_one_goes(two_models):
             assert got.model == (REAL if model == "smollm2-135m" else model)
         assert loaded(url) == ["tiny:bf16", REAL]
         metrics = httpx.get(f"{url}/metrics").text  # each loaded model's engine
-        for name in ("tiny:bf16", REAL):
-            assert f'localserve:engine_steps_total{{model_name="{name}"}}' in metrics
+        for name in ("tiny:bf16", REAL):  # each model's engine, load and requests
+            for metric in ("engine_steps_total", "model_load_seconds"):
+                assert f'localserve:{metric}{{model_name="{name}"}}' in metrics
+            count = f'localserve:e2e_request_latency_seconds_count{{model_name="{name}"}} 2'
+            assert count in metrics  # two requests each
         listed = {m.id: m.model_extra["loaded"] for m in c.models.list().data}
         assert listed == {"tiny:bf16": True, REAL: True}
         with_both = anon_mb(two_models.proc.pid)
@@ -335,6 +338,8 @@ def test_the_dashboard_lists_the_loaded_models(two_models):
             assert [r[0] for r in rows] == ["tiny:bf16", REAL]
             assert rows[0][3] == "kept" and rows[1][3] in ("1 min", "2 min")  # 120 s, counting
             assert all(r[1].endswith(" MB") for r in rows) and page.errors == []
+            assert all(re.fullmatch(r"\d+\.\d s", r[4]) for r in rows)  # loaded in
+            assert re.fullmatch(r"\d+ ms", rows[1][5])  # its own requests' median TTFT
         finally:
             page.close()
             browser.close()

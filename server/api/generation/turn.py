@@ -14,10 +14,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from server.api.errors import invalid, unsupported
+from server.api.generation.cascade import open_stream
 from server.api.generation.harmony import HarmonyParser, harmony_grammar
 from server.api.generation.pipeline import (
     off_loop,
-    stream_engine,
     with_max_tokens,
     with_model_defaults,
 )
@@ -105,7 +105,7 @@ async def start_turn(state: ServerState, req: ChatRequest, salt: str, priority: 
                                       where)
         params = replace(params, grammar=compiled)
     rid = request_id or new_id("chatcmpl")
-    chunks = stream_engine(state, prompt_ids, params, rid, salt, priority)
+    chunks = await open_stream(state, prompt_ids, params, rid, salt, priority)
     schemas = {t.name: t.parameters for t in req.tool_use.tools} if calls_tools else {}
     return Turn(rid, len(prompt_ids), chunks, calls_tools, block.fmt, block.opened, tool_format,
                 schemas)

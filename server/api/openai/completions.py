@@ -5,6 +5,7 @@ A list of prompts runs as one engine request each; choice `index` is prompt * n 
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -15,10 +16,10 @@ from starlette.responses import Response
 
 from server.api.admission import Admission, admit, read_request
 from server.api.auth import tenant
+from server.api.generation.cascade import open_stream
 from server.api.generation.pipeline import (
     merged,
     off_loop,
-    stream_engine,
     with_max_tokens,
     with_model_defaults,
 )
@@ -46,8 +47,9 @@ async def start_completion(state: ServerState, req: CompletionRequest, place: Ad
     params = [with_max_tokens(state, sampling, max(req.max_tokens, 1), len(ids), "prompt")
               for ids in prompt_ids]
     rid = new_id("cmpl")
-    streams = [stream_engine(state, ids, p, f"{rid}-{i}", place.owner, place.priority)
-               for i, (ids, p) in enumerate(zip(prompt_ids, params, strict=True))]
+    streams = await asyncio.gather(*[
+        open_stream(state, ids, p, f"{rid}-{i}", place.owner, place.priority)
+        for i, (ids, p) in enumerate(zip(prompt_ids, params, strict=True))])
     echoes = ([await off_loop(_echo_text, state.tokenizer, p) for p in req.prompts]
               if req.echo else None)
     return CompletionRun(state, req, rid, prompt_ids, echoes, merged(streams))

@@ -78,8 +78,8 @@ async def dashboard_state(request: Request) -> Response:
 
 
 def _loaded_models(state: ServerState) -> list[dict[str, Any]]:
-    """Each loaded model: the memory it holds (weights and KV pool), its requests, and when
-    it goes (None: kept)."""
+    """Each loaded model: the memory it holds (weights and KV pool), its requests, how long it
+    took to load, its recent median time to first token, and when it goes (None: kept)."""
     now, keep = time.monotonic(), state.settings.keep_alive
     out = []
     for view in [state, *state.held.views.values()]:
@@ -89,6 +89,8 @@ def _loaded_models(state: ServerState) -> list[dict[str, Any]]:
         stay = own if own is not None else keep
         out.append({"name": view.served_name, "bytes": state.held.footprint(view),
                     "running": stats["num_running"] + stats["num_waiting"],
+                    "load_seconds": view.metrics.load_seconds,
+                    "ttft_p50": view.metrics.ttft.recent_percentiles(0.5)[0],
                     "goes_in": None if kept or (stay is not None and stay < 0) else max(
                         0.0, view.last_used + (stay or 0.0) - now)})
     return out

@@ -29,7 +29,9 @@ async def prometheus(request: Request) -> Response:
     state: ServerState = request.app.state.server
     loaded = [state, *state.held.views.values()] if state.engine is not None else []
     engines = [(view.served_name, view.engine.stats()) for view in loaded]
-    return PlainTextResponse(metrics.render(state.served_name, state.metrics, engines),
+    requests = [(view.served_name, view.metrics) for view in loaded] or [
+        (state.served_name, state.metrics)]
+    return PlainTextResponse(metrics.render(requests, engines, state.held.routed),
                              media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
@@ -43,6 +45,15 @@ def _model_object(state: ServerState, name: str, loaded: bool = True) -> dict:
             "created_at": rfc3339(state.created), "loaded": loaded}
 
 
+def _route_object(state: ServerState, name: str) -> dict:
+    """A route (serve --route): its two models; loaded when both are."""
+    small, large, confidence = state.settings.routes[name]
+    loaded = state.engine is not None and all(state.held.find(m) is not None
+                                              for m in (small, large))
+    return _model_object(state, name, loaded) | {"route": {
+        "small": small, "large": large, "confidence": confidence}}
+
+
 async def list_models(request: Request) -> Response:
     """The model `serve` named first, those held beside it, then the rest of the store."""
     from storage.models import ModelStore
@@ -51,13 +62,16 @@ async def list_models(request: Request) -> Response:
     held = [state.served_name, *state.held.views]
     rest = [m.name for m in ModelStore(state.home).list() if m.name not in held]
     models = [_model_object(state, n) for n in held] + [
-        _model_object(state, n, loaded=False) for n in rest]
+        _model_object(state, n, loaded=False) for n in rest] + [
+        _route_object(state, n) for n in state.settings.routes]
     return JSONResponse(page(models, has_more=False))  # the cursor page Anthropic's SDK reads
 
 
 async def get_model(request: Request) -> Response:
     state: ServerState = request.app.state.server
     name = request.path_params["model"]
+    if name in state.settings.routes:
+        return JSONResponse(_route_object(state, name))
     found = state.held.find(name)
     if found is not None:
         return JSONResponse(_model_object(state, found.served_name))

@@ -81,6 +81,8 @@ function renderModels(models) {
     row.insertCell().textContent = `${(m.bytes / 2 ** 20).toFixed(0)} MB`;
     row.insertCell().textContent = m.running;
     row.insertCell().textContent = m.goes_in === null ? "kept" : duration(m.goes_in);
+    row.insertCell().textContent = m.load_seconds === null ? "–" : `${m.load_seconds.toFixed(1)} s`;
+    row.insertCell().textContent = m.ttft_p50 === null ? "–" : `${(m.ttft_p50 * 1000).toFixed(0)} ms`;
   }
 }
 
