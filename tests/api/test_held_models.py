@@ -85,6 +85,18 @@ def test_two_models_answer_by_name_and_the_idle_one_goes(two_models):
                                       messages=[{"role": "user", "content": "Hi"}])
 
 
+@pytest.mark.real_model
+def test_the_tokenizer_routes_answer_for_the_model_named(two_models):
+    url, text = two_models.url, "Hello world"
+    first = httpx.post(f"{url}/tokenize", json={"prompt": text}).json()["tokens"]
+    real = httpx.post(f"{url}/tokenize", json={"prompt": text, "model": REAL}).json()
+    assert real["tokens"] != first  # not the first model's tokenizer
+    back = httpx.post(f"{url}/detokenize", json={"tokens": real["tokens"], "model": REAL})
+    assert back.json()["prompt"] == text
+    info = httpx.get(f"{url}/tokenizer_info", params={"model": REAL}).json()
+    assert info["model"] == REAL and info["vocab_size"] == 49152
+
+
 class _Engine:  # what reap() reads of a held model's engine, and its shutdown
     def __init__(self, busy: bool = False) -> None:
         self.output = SimpleNamespace(requests={"r": 1} if busy else {})

@@ -7,7 +7,9 @@ these three; llama.cpp's server has the first two, naming the text `content`):
 - POST /detokenize: `tokens` -> {"prompt"} (and "content");
 - GET /tokenizer_info: the special tokens, the chat template and the context length.
 
-`model`, where given, must be the served one. They need the API key as /v1 does.
+`model` (a query parameter of the third), where given, names the model whose tokenizer answers
+(loaded if need be, as a generating request would); without it, the first model's. They need
+the API key as /v1 does.
 """
 
 from __future__ import annotations
@@ -66,6 +68,9 @@ async def detokenize(request: Request) -> Response:
 async def tokenizer_info(request: Request) -> Response:
     state: ServerState = request.app.state.server
     state.ready_engine()
+    model = request.query_params.get("model")
+    if model is not None:
+        state = await state.held.view_for(model)
     t = state.tokenizer
     # by name: our tokenizer's from its config, transformers' special_tokens_map
     special = getattr(t, "special_tokens", None) or getattr(t, "special_tokens_map", {})
@@ -84,5 +89,6 @@ async def _fields(request: Request) -> tuple[ServerState, Fields]:
     f = Fields(body)
     model = f.raw("model")
     if model is not None:
+        state = await state.held.view_for(model)
         state.check_model(model)
     return state, f
