@@ -8,9 +8,9 @@ Starts `localserve serve SMALL` (LARGE stored beside it) and asks PROMPTS greedi
   as the route computes it) and on LARGE. "Agrees": SMALL's answer is LARGE's, word for word.
   For each threshold: the share escalated, the share of routed replies that are LARGE's answer,
   and what escalating the same share at random would give (base + share * (1 - base)).
-- cost: streamed requests through a route that never escalates (CONFIDENCE 0) and one that
-  always does (1), against SMALL and LARGE asked directly: median time to first token and to
-  the last.
+- cost: streamed requests of --max-tokens tokens each (ignore_eos) through a route that never
+  escalates (CONFIDENCE 0) and one that always does (1), against SMALL and LARGE asked
+  directly: median time to first token and to the last.
 """
 
 from __future__ import annotations
@@ -103,16 +103,16 @@ def timed(url: str, model: str, prompt: str, max_tokens: int) -> tuple[float, fl
     first = None
     with httpx.stream("POST", f"{url}/v1/chat/completions", timeout=600, json={
             "model": model, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "messages": [{"role": "user", "content": prompt}]}) as r:
+            "ignore_eos": True, "messages": [{"role": "user", "content": prompt}]}) as r:
         for line in r.iter_lines():
-            if first is None and line.startswith("data: ") and '"content":"' in line \
-                    and '"content":""' not in line:
+            if first is None and line.startswith("data: ") and '"content": "' in line \
+                    and '"content": ""' not in line:
                 first = time.perf_counter() - start
     return first or float("nan"), time.perf_counter() - start
 
 
 def cost(url: str, names: dict[str, str], max_tokens: int) -> None:
-    print(f"streamed, greedy, up to {max_tokens} tokens: median TTFT / total (s)")
+    print(f"streamed, greedy, {max_tokens} tokens (ignore_eos): median TTFT / total (s)")
     for label, model in names.items():
         got = [timed(url, model, p, max_tokens) for p in PROMPTS[:12]]
         print(f"  {label:32s} {statistics.median(t for t, _ in got):6.2f} / "

@@ -70,7 +70,7 @@ def load_into(state: ServerState) -> None:
 
         torch.set_num_threads(s.threads)
     stored = ModelStore().resolve(s.model)
-    engine = load_engine(stored, s.engine, s.device, s.dtype, state.held.step_lock)
+    engine = load_engine(stored, s.engine, s.device, s.dtype, state.held.turns)
     defaults, origin = {}, None
     if s.generation_config == "auto":
         defaults, origin = sampling_defaults(stored.path, stored.manifest.get("alias", ""))

@@ -6,8 +6,9 @@ A request for such a model sees it as the server's state (ModelView: that model'
 tokenizer, grammars, reasoning format and limits, and everything else the server's: database,
 queue, usage), so every route serves it unchanged. Loading runs in a worker thread under the
 model's own lock (its requests wait for it; other models' streams go on). The engines of all
-held models share one step lock: they take turns, a step at a time, so their thread teams
-never compete for the cores.
+held models share one step lock (StepTurns): they take turns, a step at a time, so their
+thread teams never compete for the cores, and one's own idle work waits for the others'
+requests.
 """
 
 from __future__ import annotations
@@ -15,13 +16,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-import threading
 import time
 from collections import Counter
 from typing import Any, NamedTuple
 
 from server.api.errors import APIError, invalid, model_not_found
 from server.api.metrics import ApiMetrics
+from server.engine.async_engine import StepTurns
 
 ServerState = Any  # server/api/state.py's, which holds these (it imports this module)
 
@@ -194,7 +195,7 @@ class HeldModels:
     def __init__(self, state: ServerState) -> None:
         self.state = state
         self.views: dict[str, ModelView] = {}
-        self.step_lock = threading.Lock()  # every held engine's, the first's included
+        self.turns = StepTurns()  # every held engine's step lock, the first's included
         self._loading: dict[str, asyncio.Lock] = {}
         self.room_wait = ROOM_WAIT
         self.routed: Counter[tuple[str, str]] = Counter()  # (route, answering model) requests
@@ -285,7 +286,7 @@ class HeldModels:
         s = self.state.settings
         started = time.monotonic()
         engine = await asyncio.to_thread(load_engine, stored, s.engine, s.device, s.dtype,
-                                         self.step_lock)
+                                         self.turns)
         defaults = {}
         if s.generation_config == "auto":
             defaults, _ = sampling_defaults(stored.path, stored.manifest.get("alias", ""))

@@ -35,6 +35,23 @@ class _Request(RequestOutput):
     queue: asyncio.Queue | None = None
 
 
+class StepTurns:
+    """What the engines of the models a server holds share: the lock each step is taken under
+    (they take turns, so their thread teams never compete for the cores), and which of them
+    have requests' work: an engine with only its own (replies recomputed, recache.py) waits
+    while another has requests, as it would for its own."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self._busy: set[int] = set()  # ids of engines with requests' work
+
+    def mark(self, engine: object, busy: bool) -> None:
+        (self._busy.add if busy else self._busy.discard)(id(engine))
+
+    def others_busy(self, engine: object) -> bool:
+        return bool(self._busy - {id(engine)})
+
+
 class AsyncEngine:
     """The model runs in its own thread; callers await generate() and may abort().
 
@@ -45,12 +62,9 @@ class AsyncEngine:
     """
 
     def __init__(self, engine: Engine | Callable[[], Engine], tokenizer: Any,
-                 eos_token_ids: tuple[int, ...], step_lock: threading.Lock | None = None
-                 ) -> None:
+                 eos_token_ids: tuple[int, ...], turns: StepTurns | None = None) -> None:
         self.tokenizer = tokenizer
-        # Held around each step: the engines of the models a server holds take turns, so
-        # their thread teams never share the cores at once
-        self._step_lock = step_lock or threading.Lock()
+        self._turns = turns or StepTurns()  # shared with the other held models' engines
         self.eos_token_ids = eos_token_ids
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.output = OutputProcessor()
@@ -172,6 +186,7 @@ class AsyncEngine:
         self._stopping = True
         self._wake.set()
         self._thread.join(timeout=10)
+        self._turns.mark(self, False)
 
     # -- the engine thread ---------------------------------------------------------------------
 
@@ -193,7 +208,9 @@ class AsyncEngine:
         idle_since: float | None = None  # None: busy, or idle memory already handed back
         while not self._stopping:
             self._drain_inbox()
-            if not engine.has_unfinished:
+            busy = engine.has_requests
+            self._turns.mark(self, busy)
+            if not engine.has_unfinished or (not busy and self._turns.others_busy(self)):
                 idle_since = idle_since or time.monotonic()
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
@@ -205,7 +222,7 @@ class AsyncEngine:
             idle_since = None
             t = time.perf_counter()
             try:
-                with self._step_lock:
+                with self._turns.lock:
                     step = engine.step()
             except Exception as e:  # a failed step fails its requests, never the thread
                 self._fail_all(e)
@@ -257,10 +274,10 @@ def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
 
 def load_engine(
     stored, config: EngineConfig | None = None, device: str | None = None,
-    dtype: str | None = None, step_lock: threading.Lock | None = None,
+    dtype: str | None = None, turns: StepTurns | None = None,
 ) -> AsyncEngine:
     """Load a stored model and its tokenizer into an AsyncEngine (device/dtype by name or
-    automatic; `step_lock`: the one its steps share with other models' engines)."""
+    automatic; `turns`: what its steps share with other models' engines)."""
     from server.models.device import pick_device, pick_dtype
     from server.models.loader import load_model
     from server.models.tokenizer import load_tokenizer
@@ -279,4 +296,4 @@ def load_engine(
         return engine
 
     eos = tuple(stored.manifest["tokenizer"]["eos_token_ids"])
-    return AsyncEngine(build, load_tokenizer(stored), eos, step_lock)
+    return AsyncEngine(build, load_tokenizer(stored), eos, turns)

@@ -259,6 +259,12 @@ class Engine:
         return self.scheduler.has_unfinished or self.recache.ready(self.scheduler)
 
     @property
+    def has_requests(self) -> bool:
+        """Requests' work to step, the engine's own (a reply recomputed, recache.py) aside."""
+        sched = self.scheduler
+        return len(sched.waiting) + len(sched.running) > (self.recache.running is not None)
+
+    @property
     def vocab_size(self) -> int:
         return self.runner.model.config.vocab_size
 

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import torch
 
-from server.engine.async_engine import AsyncEngine
+from server.engine.async_engine import AsyncEngine, StepTurns
 from server.engine.engine import Engine, EngineConfig
 from server.engine.scheduler import RequestTooLargeError
 from server.engine.sequence import SamplingParams, Sequence
@@ -152,5 +152,29 @@ async def test_a_failing_step_drops_the_idle_reply_recompute_too(model):
         chunks = await collect(e, list(range(9)), SamplingParams(max_tokens=3, temperature=0.0,
                                                                  ignore_eos=True))
         assert chunks[-1].finish_reason == "length"
+    finally:
+        e.shutdown()
+
+
+@pytest.mark.asyncio
+async def test_an_idle_engine_s_own_work_waits_for_the_other_models_requests(model):
+    """Engines sharing StepTurns (the models a server holds): one whose only work is its own
+    (a reply recomputed) takes no step while another has requests, and does once it has none."""
+    turns = StepTurns()
+    e = AsyncEngine(Engine(model, EngineConfig(num_blocks=32, recache_replies_after=0.0), CPU,
+                           torch.float32), make_tokenizer(), eos_token_ids=(2,), turns=turns)
+    other = object()  # another model's engine, with requests
+    try:
+        turns.mark(other, True)
+        await collect(e, list(range(20)), SamplingParams(max_tokens=30, temperature=0.0,
+                                                         ignore_eos=True))
+        await asyncio.sleep(1.0)  # two rounds of its idle wait
+        assert e.engine.recache.num_pending == 1 and e.engine.recache.num_done == 0
+        turns.mark(other, False)
+        for _ in range(200):
+            if e.engine.recache.num_done:
+                break
+            await asyncio.sleep(0.02)
+        assert e.engine.recache.num_done == 1
     finally:
         e.shutdown()
