@@ -8,7 +8,9 @@ Starts `localserve serve` on a copy of $LOCALSERVE_HOME's models (its own databa
    submit to completed, against the engine's peak (benchmarks/engine_throughput.py, same
    batch size, no HTTP);
 3. the same interactive probes while a large batch is running.
-Prints a markdown table (the one in benchmarks/RESULTS.md).
+Prints a markdown table (the one in benchmarks/RESULTS.md). `--batch-model NAME`: the batch's
+lines name another stored model (loaded beside --model): interactive before batch across
+models (their engines take turns, server/engine/async_engine.py's StepTurns).
 """
 
 from __future__ import annotations
@@ -47,17 +49,24 @@ def start_server(home: Path, model: str, log: Path, extra: list[str]
     return proc, url
 
 
-def ttfts(client: openai.OpenAI, model: str, n: int) -> list[float]:
+def ttfts(client: openai.OpenAI, model: str, n: int, itls: list[float] | None = None
+          ) -> list[float]:
+    """TTFT of n streamed 8-token chats; their time between tokens added to `itls`."""
     out = []
     for i in range(n):
         t = time.perf_counter()
         stream = client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": f"Say something nice ({i})."}],
-            max_tokens=8, temperature=0, stream=True)
-        first = None
+            max_tokens=8, temperature=0, stream=True, extra_body={"ignore_eos": True})
+        first = last = None
         for chunk in stream:
-            if first is None and chunk.choices and chunk.choices[0].delta.content:
-                first = time.perf_counter() - t
+            if chunk.choices and chunk.choices[0].delta.content:
+                now = time.perf_counter()
+                if first is None:
+                    first = now - t
+                elif itls is not None:
+                    itls.append(now - last)
+                last = now
         out.append(first if first is not None else time.perf_counter() - t)
     return out
 
@@ -84,6 +93,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--probes", type=int, default=20)
     ap.add_argument("--serve-args", default="", help="extra `localserve serve` flags")
+    ap.add_argument("--batch-model", default=None, help="the batch lines' model (default: "
+                    "--model)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         home = Path(tmp)
@@ -94,28 +105,34 @@ def main() -> None:
             client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0,
                                    timeout=600)
             ttfts(client, args.model, 3)  # warm up
-            idle = ttfts(client, args.model, args.probes)
+            idle_itl: list[float] = []
+            busy_itl: list[float] = []
+            idle = ttfts(client, args.model, args.probes, idle_itl)
+            batch_model = args.batch_model or args.model
             t = time.perf_counter()
-            batch_id = submit(client, args.model, args.lines, args.tokens)
+            batch_id = submit(client, batch_model, args.lines, args.tokens)
             while (b := client.batches.retrieve(batch_id)).status not in (
                     "completed", "failed", "expired", "cancelled"):
                 time.sleep(0.2)
             seconds = time.perf_counter() - t
             batch_tps = b.usage.output_tokens / seconds
-            busy_id = submit(client, args.model, 4 * args.lines, args.tokens)
+            busy_id = submit(client, batch_model, 4 * args.lines, args.tokens)
             while client.batches.retrieve(busy_id).request_counts.completed < 8:
                 time.sleep(0.2)
-            busy = ttfts(client, args.model, args.probes)
+            busy = ttfts(client, args.model, args.probes, busy_itl)
             client.batches.cancel(busy_id)
         finally:
             proc.terminate()
             proc.wait(60)
-    print(f"| {args.model} | batch of {args.lines} x {args.tokens} tokens, idle server | "
+    print(f"| {batch_model} | batch of {args.lines} x {args.tokens} tokens, idle server | "
           f"{batch_tps:.1f} tok/s ({seconds:.1f} s) |")
     print(f"| TTFT idle | p50 {statistics.median(idle) * 1000:.0f} ms | "
           f"p95 {pct(idle, 95) * 1000:.0f} ms |")
     print(f"| TTFT while a batch runs | p50 {statistics.median(busy) * 1000:.0f} ms | "
           f"p95 {pct(busy, 95) * 1000:.0f} ms |")
+    print(f"| ITL idle / while a batch runs | p50 {statistics.median(idle_itl) * 1000:.0f} / "
+          f"{statistics.median(busy_itl) * 1000:.0f} ms | p95 {pct(idle_itl, 95) * 1000:.0f} / "
+          f"{pct(busy_itl, 95) * 1000:.0f} ms |")
 
 
 if __name__ == "__main__":

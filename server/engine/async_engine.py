@@ -37,19 +37,39 @@ class _Request(RequestOutput):
 
 class StepTurns:
     """What the engines of the models a server holds share: the lock each step is taken under
-    (they take turns, so their thread teams never compete for the cores), and which of them
-    have requests' work: an engine with only its own (replies recomputed, recache.py) waits
-    while another has requests, as it would for its own."""
+    (they take turns, so their thread teams never compete for the cores), and how urgent each
+    one's work is. Priorities hold across models as they do in one scheduler: an engine whose
+    most urgent work is less urgent than another's (batch lines while another model streams
+    to a user; a reply recomputed while another runs batch lines) waits until that is done,
+    woken when it is."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self._busy: set[int] = set()  # ids of engines with requests' work
+        self._urgency: dict[int, int] = {}  # engine id -> its most urgent work's priority
+        self._wakes: dict[int, threading.Event] = {}
 
-    def mark(self, engine: object, busy: bool) -> None:
-        (self._busy.add if busy else self._busy.discard)(id(engine))
+    def join(self, engine: object, wake: threading.Event) -> None:
+        self._wakes[id(engine)] = wake
 
-    def others_busy(self, engine: object) -> bool:
-        return bool(self._busy - {id(engine)})
+    def leave(self, engine: object) -> None:
+        self.mark(engine, None)
+        self._wakes.pop(id(engine), None)
+
+    def mark(self, engine: object, urgency: int | None) -> None:
+        """The engine's most urgent work now (None: none); the others wake when it eases."""
+        key = id(engine)
+        before = self._urgency.pop(key, None) if urgency is None else self._urgency.get(key)
+        if urgency is not None:
+            self._urgency[key] = urgency
+        if before is not None and (urgency is None or urgency > before):
+            for other, wake in list(self._wakes.items()):
+                if other != key:
+                    wake.set()
+
+    def waits(self, engine: object, urgency: int) -> bool:
+        """Another engine has more urgent work."""
+        key = id(engine)
+        return any(u < urgency for other, u in list(self._urgency.items()) if other != key)
 
 
 class AsyncEngine:
@@ -70,6 +90,7 @@ class AsyncEngine:
         self.output = OutputProcessor()
         self._ids = itertools.count()
         self._wake = threading.Event()
+        self._turns.join(self, self._wake)
         self._stopping = False
         self._started = threading.Event()
         self._start_error: BaseException | None = None
@@ -186,7 +207,7 @@ class AsyncEngine:
         self._stopping = True
         self._wake.set()
         self._thread.join(timeout=10)
-        self._turns.mark(self, False)
+        self._turns.leave(self)
 
     # -- the engine thread ---------------------------------------------------------------------
 
@@ -197,6 +218,7 @@ class AsyncEngine:
             release_freed_memory()  # loading's temporaries (int32 unpacking, file reads)
         except BaseException as e:  # noqa: BLE001 - raised in the constructing thread
             self._start_error = e
+            self._turns.leave(self)
             return
         finally:
             self._started.set()
@@ -208,14 +230,14 @@ class AsyncEngine:
         idle_since: float | None = None  # None: busy, or idle memory already handed back
         while not self._stopping:
             self._drain_inbox()
-            busy = engine.has_requests
-            self._turns.mark(self, busy)
-            if not engine.has_unfinished or (not busy and self._turns.others_busy(self)):
-                idle_since = idle_since or time.monotonic()
+            urgency = engine.urgency
+            self._turns.mark(self, urgency)
+            if urgency is None or self._turns.waits(self, urgency):  # idle, or others first
+                idle_since = (idle_since or time.monotonic()) if urgency is None else None
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
-                if idle_after is not None and time.monotonic() - idle_since >= idle_after \
-                        and not self._inbox.qsize():
+                if idle_since is not None and idle_after is not None \
+                        and time.monotonic() - idle_since >= idle_after and not self._inbox.qsize():
                     engine.release_idle()
                     idle_since = float("inf")  # once per idle period
                 continue

@@ -16,7 +16,7 @@ import torch
 from server.engine.block_manager import BlockManager
 from server.engine.model_runner import ModelRunner, kv_bytes_per_block
 from server.engine.pacing import MIN_PREFILL_CHUNK, PrefillPacer
-from server.engine.recache import ReplyRecache
+from server.engine.recache import PRIORITY_RECACHE, ReplyRecache
 from server.engine.scheduler import Scheduler, SchedulerOutput
 from server.engine.sequence import SamplingParams, Sequence, SequenceStatus
 from server.engine.window_blocks import WindowBlocks
@@ -259,10 +259,13 @@ class Engine:
         return self.scheduler.has_unfinished or self.recache.ready(self.scheduler)
 
     @property
-    def has_requests(self) -> bool:
-        """Requests' work to step, the engine's own (a reply recomputed, recache.py) aside."""
-        sched = self.scheduler
-        return len(sched.waiting) + len(sched.running) > (self.recache.running is not None)
+    def urgency(self) -> int | None:
+        """The priority of its most urgent work (lower first): its sequences' (a reply
+        recomputed among them, recache.py), or a recompute's that may start; None: idle."""
+        seqs = self.scheduler.waiting + self.scheduler.running
+        if seqs:
+            return min(s.priority for s in seqs)
+        return PRIORITY_RECACHE if self.recache.ready(self.scheduler) else None
 
     @property
     def vocab_size(self) -> int:

@@ -10,7 +10,7 @@ import torch
 from server.engine.async_engine import AsyncEngine, StepTurns
 from server.engine.engine import Engine, EngineConfig
 from server.engine.scheduler import RequestTooLargeError
-from server.engine.sequence import SamplingParams, Sequence
+from server.engine.sequence import PRIORITY_BATCH, PRIORITY_INTERACTIVE, SamplingParams, Sequence
 from server.models.loader import build_model
 from tests.helpers import hf_model, make_tokenizer, our_config
 
@@ -157,20 +157,28 @@ async def test_a_failing_step_drops_the_idle_reply_recompute_too(model):
 
 
 @pytest.mark.asyncio
-async def test_an_idle_engine_s_own_work_waits_for_the_other_models_requests(model):
-    """Engines sharing StepTurns (the models a server holds): one whose only work is its own
-    (a reply recomputed) takes no step while another has requests, and does once it has none."""
+async def test_priorities_hold_across_the_engines_that_take_turns(model):
+    """Engines sharing StepTurns (the models a server holds): one whose most urgent work is
+    less urgent than another's takes no step until that is done (batch lines while another
+    model streams to a user; a reply recomputed while another runs batch lines), then does."""
     turns = StepTurns()
     e = AsyncEngine(Engine(model, EngineConfig(num_blocks=32, recache_replies_after=0.0), CPU,
                            torch.float32), make_tokenizer(), eos_token_ids=(2,), turns=turns)
-    other = object()  # another model's engine, with requests
+    other = object()  # another model's engine
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     try:
-        turns.mark(other, True)
-        await collect(e, list(range(20)), SamplingParams(max_tokens=30, temperature=0.0,
-                                                         ignore_eos=True))
+        turns.mark(other, PRIORITY_INTERACTIVE)  # it streams to a user
+        line = asyncio.ensure_future(collect(e, list(range(20)), params,
+                                             priority=PRIORITY_BATCH))
         await asyncio.sleep(1.0)  # two rounds of its idle wait
+        assert not line.done() and e.engine.metrics.num_steps == 0
+        turns.mark(other, PRIORITY_BATCH)  # now only batch lines there: they take turns
+        assert len(await asyncio.wait_for(line, 60)) == 30
+        mine = await collect(e, list(range(20)), params)  # interactive never waits
+        assert len(mine) == 30
+        await asyncio.sleep(1.0)
         assert e.engine.recache.num_pending == 1 and e.engine.recache.num_done == 0
-        turns.mark(other, False)
+        turns.mark(other, None)  # the other is idle: the reply is recomputed
         for _ in range(200):
             if e.engine.recache.num_done:
                 break
