@@ -83,6 +83,8 @@ def test_a_route_answers_with_the_model_it_chose(client):
 
 
 def test_routes_are_listed_counted_and_refuse_what_they_cannot_do(server, client):
+    loaded = httpx.post(f"{server.url}/v1/models/{ALWAYS}/load").json()
+    assert loaded["loaded"] is True and loaded["route"]["large"] == LARGE
     ask(client, ALWAYS)
     listed = {m.id: m.model_extra for m in client.models.list().data}
     assert listed[ALWAYS]["route"] == {"small": SMALL, "large": LARGE, "confidence": 1.0}

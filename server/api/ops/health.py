@@ -79,10 +79,14 @@ async def get_model(request: Request) -> Response:
 
 
 async def load_model(request: Request) -> Response:
-    """POST /v1/models/{model}/load: load it now (held beside the first, as a request would)."""
+    """POST /v1/models/{model}/load: load it now (held beside the first, as a request would;
+    a route's two models)."""
     state: ServerState = request.app.state.server
     state.ready_engine()
-    view = await state.held.view_for(request.path_params["model"])
+    name = request.path_params["model"]
+    view = await state.held.view_for(name)  # both of a route's
+    if name in state.settings.routes:
+        return JSONResponse(_route_object(state, name))
     return JSONResponse(_model_object(state, view.served_name))
 
 
