@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 
 from server.api.errors import APIError, invalid, model_not_found
 from server.api.metrics import ApiMetrics
-from server.engine.async_engine import StepTurns
+from server.engine.turns import StepTurns
 
 ServerState = Any  # server/api/state.py's, which holds these (it imports this module)
 

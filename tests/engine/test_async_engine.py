@@ -7,7 +7,8 @@ import asyncio
 import pytest
 import torch
 
-from server.engine.async_engine import AsyncEngine, StepTurns
+from server.engine.async_engine import AsyncEngine
+from server.engine.turns import StepTurns
 from server.engine.engine import Engine, EngineConfig
 from server.engine.scheduler import RequestTooLargeError
 from server.engine.sequence import PRIORITY_BATCH, PRIORITY_INTERACTIVE, SamplingParams, Sequence
