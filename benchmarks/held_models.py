@@ -66,6 +66,25 @@ def tokens_per_second(url: str, models: list[str], seconds: float) -> float:
     return sum(counts) / (time.monotonic() - start)
 
 
+def serve(args: list[str]) -> tuple[subprocess.Popen, str]:
+    """`localserve serve ARGS` on a free port, once /health says it is ready; its URL."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", *args, "--port",
+                               str(port)], cwd=ROOT, stderr=subprocess.DEVNULL)
+    while True:
+        try:
+            if httpx.get(f"{url}/health").status_code == 200:
+                return server, url
+        except httpx.HTTPError:
+            pass
+        if server.poll() is not None:
+            raise SystemExit(f"the server exited with {server.returncode}")
+        time.sleep(0.5)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("first")
@@ -76,21 +95,8 @@ def main() -> None:
     from storage.models import ModelStore
 
     second = ModelStore().resolve(args.second)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", args.first, "--port",
-                               str(port), "--keep-alive", "-1"], cwd=ROOT,
-                              stderr=subprocess.DEVNULL)
+    server, url = serve([args.first, "--keep-alive", "-1"])
     try:
-        while True:
-            try:
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
         ttft(url, args.first)
         loaded = min(ttft(url, args.first) for _ in range(3))
         drop_cached(second.path)

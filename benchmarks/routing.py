@@ -17,16 +17,12 @@ from __future__ import annotations
 
 import argparse
 import math
-import socket
 import statistics
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
+from held_models import serve
 
-ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = [
     "What is the capital of France?", "What is the capital of Japan?",
     "What is the capital of Canada?", "What is the capital of Australia?",
@@ -126,23 +122,10 @@ def main() -> None:
     ap.add_argument("--parts", default="rule,cost")
     ap.add_argument("--max-tokens", type=int, default=48)
     args = ap.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen(
-        [sys.executable, "-m", "cli.main", "serve", args.small, args.large, "--port", str(port),
-         "--route", f"never={args.small},{args.large},0",
-         "--route", f"always={args.small},{args.large},1"],
-        cwd=ROOT, stderr=subprocess.DEVNULL)
+    server, url = serve([args.small, args.large,
+                         "--route", f"never={args.small},{args.large},0",
+                         "--route", f"always={args.small},{args.large},1"])
     try:
-        while True:
-            try:
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
         for model in (args.small, args.large):  # first calls paid before timing
             chat(url, model, "Hi", 4)
         if "rule" in args.parts:
