@@ -209,6 +209,40 @@ def test_a_load_past_the_limit_lets_the_idle_go_and_waits_for_the_busy(tight):
         assert loaded(url) == ["tiny:bf16", "tiny:int8"]
 
 
+@pytest.mark.real_model
+def test_a_pinned_model_is_never_the_one_let_go(tiny_home, real_home, two_models, tmp_path):
+    """A limit that holds the first model, the real one and one tiny one more: the real one,
+    pinned and the least recently used, stays; the other tiny one goes instead."""
+    from openai import OpenAI
+
+    from storage.models import ModelStore
+    from tests.helpers import hf_model, pull_into, save_hf_folder
+
+    home = tmp_path / "home"
+    (home / "models").mkdir(parents=True)
+    (home / "models" / "tiny:bf16").symlink_to(tiny_home / "models" / "tiny:bf16")
+    (home / "models" / REAL).symlink_to(real_home / "models" / REAL)
+    folder = save_hf_folder(hf_model("llama", seed=3, max_position_embeddings=4096),
+                            tmp_path / "hf" / "tiny")
+    for bits in (8, 4):
+        pull_into(home, folder, bits=bits)
+    kv = 16 << 20
+    size = {m.name: m.size_bytes + kv for m in ModelStore(home).list()}
+    limit = size["tiny:bf16"] + size[REAL] + max(size["tiny:int8"], size["tiny:int4"])
+    proc = ServerProcess(home, ["tiny:bf16", "--kv-cache-mb", "16", "--pin", REAL,
+                                "--memory-limit", str((limit >> 20) + 2), "--keep-alive", "-1"],
+                         tmp_path / "server.log").start()
+    hi = [{"role": "user", "content": "Hi"}]
+    try:
+        with OpenAI(base_url=f"{proc.url}/v1", api_key="x", max_retries=0, timeout=120) as c:
+            for model in (REAL, "tiny:int8", "tiny:int4"):
+                assert c.chat.completions.create(model=model, messages=hi,
+                                                 max_tokens=2).model == model
+        assert loaded(proc.url) == ["tiny:bf16", REAL, "tiny:int4"]  # tiny:int8 went
+    finally:
+        proc.stop()
+
+
 def test_room_is_made_from_the_least_recently_used_idle_never_the_pinned():
     from server.api.errors import APIError
 
