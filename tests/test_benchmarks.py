@@ -236,6 +236,19 @@ def test_rounds_give_medians_and_each_ratio_within_its_own_round(monkeypatch):
         in md
     assert "| localserve int4 | 90 | 200 | 6000 ms |" in md
     assert "| int4 / llama-server | 1.50x | 2.50x | 0.25x |" in compare.table(rounds[0])
+    assert "vLLM" not in md
+    peers = [report("localserve bf16", (60, 300), (0.2, 5)), report("vLLM CPU bf16", (30, 400),
+                                                                      (0.4, 10))]
+    assert "| bf16 / vLLM CPU bf16 | 2.00x | 0.75x | 0.50x |" in compare.table(peers)
+
+
+def test_vllm_runs_on_both_cores_in_bf16_on_the_same_weights(monkeypatch, tmp_path):
+    compare = load_compare(monkeypatch)
+    command, env = compare.peers.vllm_command("/venv/bin/python", tmp_path, 8123, "smol")
+    assert command[:2] == ["/venv/bin/python", "-c"] and command[3:5] == ["serve", str(tmp_path)]
+    assert {"--dtype": "bfloat16", "--port": "8123", "--served-model-name": "smol"}.items() <= \
+        dict(zip(command[5::2], command[6::2], strict=False)).items()
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
 
 
 def test_kernel_kinds_reads_engine_throughputs_row():
