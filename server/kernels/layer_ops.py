@@ -41,6 +41,7 @@ _SIGNATURES = {
     "paged_prompt": [_P, _P, _P, _P, _I, _I, _P, _I, _I, _I, _I, _D, ctypes.c_int,
                      ctypes.c_int],
     "dense_gemm": [_P, _P, _P, _I, _I, _I, ctypes.c_int, ctypes.c_int, ctypes.c_int],
+    "packed_gemm": [_P, _P, _P, _I, _I, _I, ctypes.c_int],
 }
 
 _lib = loader.once(lambda: _open_checked())  # the checked library or None, built once
@@ -185,6 +186,44 @@ def dense_mm(x: torch.Tensor, weight: torch.Tensor, lib=None,
     return y
 
 
+def packs(lib=None) -> bool:
+    """Whether unquantized bf16 layers take the packed kernel here (dense_gemm.c's
+    packed_gemm: a build for AVX-512 BF16). Not on AMX CPUs, whose prompt rows oneDNN's AMX
+    GEMM serves (their speed against this kernel not measured yet)."""
+    lib = lib or _lib()
+    if lib is None or "amx_tile" in loader.cpu_flags():
+        return False
+    x = torch.zeros(1, 2, dtype=torch.bfloat16)
+    return lib.packed_gemm(x.data_ptr(), x.data_ptr(), x.new_empty(16).data_ptr(), 0, 16, 2,
+                           0) == 0
+
+
+def pack_weight(weight: torch.Tensor, lib=None) -> torch.Tensor | None:
+    """A bf16 weight [N, K] in packed_gemm's layout, [N / 16][K / 2][16][2]; None where that
+    kernel does not take it (see packs; N a multiple of 16, K even)."""
+    n, k = weight.shape
+    if (weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or n % 16 or k % 2
+            or not packs(lib)):
+        return None
+    return weight.view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def packed_mm(x: torch.Tensor, packed: torch.Tensor, lib=None,
+              fp32_out: bool = False) -> torch.Tensor | None:
+    """x [M, K] bf16 @ the packed weight's [N, K]^T -> [M, N] bf16 (fp32 with `fp32_out`),
+    each row on its own; None: not here."""
+    lib = lib or _lib()
+    if lib is None or x.dtype != torch.bfloat16 or not _fits(x) or x.dim() != 2:
+        return None
+    (m, k), n = x.shape, packed.shape[0] * 16
+    if packed.shape[1] * 2 != k:
+        return None
+    y = torch.empty(m, n, dtype=torch.float32 if fp32_out else x.dtype)
+    if lib.packed_gemm(x.data_ptr(), packed.data_ptr(), y.data_ptr(), m, n, k, fp32_out):
+        return None
+    return y
+
+
 def _self_check(lib) -> str | None:
     """None if every function matches PyTorch within rounding and gives each row the same bits
     alone and batched; else what failed."""
@@ -203,7 +242,7 @@ def _self_check(lib) -> str | None:
         problem = _check_attention(lib, dtype, tol, g) or _check_dense(lib, dtype, tol, g)
         if problem:
             return problem
-    return None
+    return _check_packed(lib, g)
 
 
 def _check_dense(lib, dtype: torch.dtype, tol: float, g: torch.Generator) -> str | None:
@@ -220,6 +259,26 @@ def _check_dense(lib, dtype: torch.dtype, tol: float, g: torch.Generator) -> str
         wide = dense_mm(x, w, lib, fp32_out=True)  # the same sums, rounded only to fp32
         if wide is None or not torch.equal(wide.to(dtype), got):
             return f"dense_mm fp32 out {dtype} x {wdtype}"
+    return None
+
+
+def _check_packed(lib, g: torch.Generator) -> str | None:
+    """packed_mm against the fp32 product where this build has it, 80 outputs (a pass of 48,
+    one of 32) and 11 rows (a pass of 8, one of 3): each row alone the same bits as in the
+    batch, and bf16 outputs its fp32 ones rounded."""
+    w = torch.randn(80, 96, generator=g).bfloat16()
+    packed = pack_weight(w, lib)
+    if packed is None:
+        return None
+    x = torch.randn(11, 96, generator=g).bfloat16()
+    got, want = packed_mm(x, packed, lib, fp32_out=True), x.float() @ w.float().t()
+    if got is None or not torch.allclose(got, want, rtol=1e-4, atol=1e-3):
+        return "packed_mm"
+    if not all(torch.equal(got[i:i + 1], packed_mm(x[i:i + 1], packed, lib, fp32_out=True))
+               for i in range(11)):
+        return "packed_mm rows"
+    if not torch.equal(packed_mm(x, packed, lib), got.bfloat16()):
+        return "packed_mm bf16 out"
     return None
 
 

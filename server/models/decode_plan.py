@@ -25,7 +25,8 @@ from server.models.linear import Linear
 from server.quant.int4 import Int4Linear
 from server.quant.int8 import Int8Linear
 
-Packed = Int4Linear | Int8Linear | Linear  # Linear: an unquantized layer (dense_gemm.c)
+Packed = Int4Linear | Int8Linear | Linear  # Linear: an unquantized layer (dense_gemm.c's
+# packed_gemm where it packed its weight, else dense_gemm)
 
 
 @dataclass(slots=True)
@@ -57,6 +58,8 @@ def _fits(m: nn.Module | None, shape: tuple[int, int]) -> bool:
                 and (m.in_features, m.out_features) == shape
                 and m.q8.shape[0] * cpu_gemm.BLOCK == m.out_features
                 and m.q8.shape[1] * 2 == m.in_features)
+    if isinstance(m, Linear) and m.packed is not None:  # packed_gemm, as its forward
+        return m.bias is None and tuple(m.packed.shape) == (shape[1] // 16, shape[0] // 2, 16, 2)
     if isinstance(m, Linear):  # what its forward hands generated rows: dense_mm, if it takes it
         w = m.weight
         return (m.bias is None and tuple(w.shape) == shape[::-1]
@@ -183,6 +186,9 @@ class DecodePlan:
 
         def mm(m: Packed, xin: torch.Tensor, yout: torch.Tensor, n: int, k: int) -> int:
             """The call the layer's module makes for these rows (int4.py, int8.py)."""
+            if isinstance(m, Linear) and m.packed is not None:
+                return ops.packed_gemm(xin.data_ptr(), m.packed.data_ptr(), yout.data_ptr(), t,
+                                       n, k, 0)
             if isinstance(m, Linear):
                 return ops.dense_gemm(xin.data_ptr(), m.weight.data_ptr(), yout.data_ptr(), t,
                                       n, k, bf16, m.weight.dtype == torch.bfloat16, 0)

@@ -66,6 +66,10 @@ def build_model(
         if hasattr(module, "fuse"):
             module.fuse()
     prepare_quantized(model, use_kernels)
+    if use_kernels:  # unquantized bf16 layers in the packed kernel's layout, where it serves
+        for module in model.modules():
+            if isinstance(module, Linear):
+                module.pack(keep=tied and module is getattr(model, "lm_head", None))
     return model.eval().requires_grad_(False)
 
 

@@ -161,6 +161,71 @@ def test_dense_mm_matches_the_product_and_rows_are_independent(dtype, wdtype):
     assert layer_ops.dense_mm(x, w.t().contiguous().t()) is None  # not row-major
 
 
+PACKS = pytest.mark.skipif(not layer_ops.packs(), reason="the packed bf16 kernel needs "
+                           "AVX-512 BF16 (and serves where AMX does not)")
+
+
+@PACKS
+@pytest.mark.parametrize("n,k", [(16, 2), (48, 96), (80, 192), (1536, 576)])
+def test_packed_mm_matches_the_product_and_rows_are_independent(n, k):
+    """Blocks of 48 outputs and the tails of 32 and 16, passes of 8 rows and every tail."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    x = torch.randn(29, k, generator=g).bfloat16()
+    packed = layer_ops.pack_weight(w)
+    wide = layer_ops.packed_mm(x, packed, fp32_out=True)
+    torch.testing.assert_close(wide, x.float() @ w.float().t(), atol=1e-3, rtol=1e-4)
+    got = layer_ops.packed_mm(x, packed)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, wide.bfloat16())
+    for m in (0, 1, 2, 3, 5, 7, 8, 9, 13, 16):
+        assert torch.equal(layer_ops.packed_mm(x[:m], packed), got[:m])
+        assert torch.equal(layer_ops.packed_mm(x[m:m + 1], packed), got[m:m + 1])
+
+
+@PACKS
+def test_the_packed_kernel_takes_only_what_it_can():
+    w = torch.randn(80, 96).bfloat16()
+    assert layer_ops.pack_weight(w[:72].contiguous()) is None  # n: not whole blocks of 16
+    assert layer_ops.pack_weight(torch.randn(80, 95).bfloat16()) is None  # k: odd
+    assert layer_ops.pack_weight(w.float()) is None  # not bf16
+    packed = layer_ops.pack_weight(w)
+    assert layer_ops.packed_mm(torch.randn(3, 96), packed) is None  # fp32 rows
+    assert layer_ops.packed_mm(torch.randn(3, 94).bfloat16(), packed) is None  # k
+
+
+@PACKS
+def test_a_packed_layer_serves_every_row_and_lets_its_weight_go():
+    from server.models.linear import Linear
+
+    layer = Linear(192, 96, bias=True).to(torch.bfloat16)
+    shared = Linear(192, 96, bias=False).to(torch.bfloat16)
+    weight = layer.weight.detach().clone()
+    layer.pack()
+    shared.pack(keep=True)  # a tied LM head: the embedding keeps the weight
+    assert layer.weight.numel() == 0 and shared.weight.shape == (96, 192)
+    x = torch.randn(5, 192).bfloat16()
+    want = layer_ops.packed_mm(x, layer_ops.pack_weight(weight)) + layer.bias
+    assert torch.equal(layer(x), want) and torch.equal(layer(x[2:3]), want[2:3])
+    logits = shared.logits(x)
+    assert logits.dtype == torch.float32 and torch.equal(logits.bfloat16(), shared(x))
+
+
+@PACKS
+def test_a_bf16_model_packs_its_layers_and_its_tied_head_keeps_the_embedding():
+    from server.models.linear import Linear
+
+    hf = hf_model("llama", seed=2, tie_word_embeddings=True)
+    ours = ours_from_hf(hf, dtype=torch.bfloat16)
+    head, embed = ours.lm_head, ours.model.embed_tokens
+    assert head.packed is not None and head.weight is embed.weight and embed.weight.numel()
+    layers = [m for m in ours.model.layers.modules() if isinstance(m, Linear)]
+    assert layers and all(m.packed is not None and m.weight.numel() == 0 for m in layers)
+    reference = ours_from_hf(hf, dtype=torch.bfloat16, use_kernels=False)  # unpacked
+    ids = prompt(12)
+    torch.testing.assert_close(prompt_logits(ours, ids), prompt_logits(reference, ids),
+                               atol=0.1, rtol=0.05)
+
+
 def test_unquantized_layers_generated_rows_take_dense_mm():
     from server.models.linear import Linear
 
