@@ -186,12 +186,8 @@ class DecodePlan:
 
         def mm(m: Packed, xin: torch.Tensor, yout: torch.Tensor, n: int, k: int) -> int:
             """The call the layer's module makes for these rows (int4.py, int8.py)."""
-            if isinstance(m, Linear) and m.packed is not None:
-                return ops.packed_gemm(xin.data_ptr(), m.packed.data_ptr(), yout.data_ptr(), t,
-                                       n, k, 0)
             if isinstance(m, Linear):
-                return ops.dense_gemm(xin.data_ptr(), m.weight.data_ptr(), yout.data_ptr(), t,
-                                      n, k, bf16, m.weight.dtype == torch.bfloat16, 0)
+                return _dense(ops, m, xin, yout, t, n, k, bf16)
             if widen:
                 xr, yr = xb[:t * k].view(t, k), yb[:t * n].view(t, n)
                 xr.copy_(xin)
@@ -240,6 +236,16 @@ class DecodePlan:
         if failed:  # shapes were checked when the plan was built: a kernel's own refusal
             raise RuntimeError("a CPU kernel declined a decode step it was planned for")
         return x
+
+
+def _dense(ops, m: Linear, xin: torch.Tensor, yout: torch.Tensor, t: int, n: int, k: int,
+           bf16: bool) -> int:
+    """The call an unquantized layer's forward makes for these rows: packed_gemm where it
+    packed its weight, else dense_gemm."""
+    if m.packed is not None:
+        return ops.packed_gemm(xin.data_ptr(), m.packed.data_ptr(), yout.data_ptr(), t, n, k, 0)
+    return ops.dense_gemm(xin.data_ptr(), m.weight.data_ptr(), yout.data_ptr(), t, n, k, bf16,
+                          m.weight.dtype == torch.bfloat16, 0)
 
 
 def add_residual(x: torch.Tensor, branch: torch.Tensor, multiplier: float) -> None:

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from server.engine.async_engine import AsyncEngine
-from server.engine.turns import StepTurns
 from server.engine.engine import Engine, EngineConfig
 from server.engine.scheduler import RequestTooLargeError
 from server.engine.sequence import PRIORITY_BATCH, PRIORITY_INTERACTIVE, SamplingParams, Sequence
+from server.engine.turns import StepTurns
 from server.models.loader import build_model
 from tests.helpers import hf_model, make_tokenizer, our_config
 
