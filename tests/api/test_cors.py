@@ -11,11 +11,10 @@ import httpx
 import pytest
 
 from tests.api.conftest import API_KEY, MODEL
-from tests.api.ops.test_dashboard import CHROMIUM, browser  # noqa: F401 - the fixture
+from tests.api.ops.test_dashboard import NEEDS_CHROMIUM, browser  # noqa: F401 - the fixture
 from tests.api.server import own_server
 
-pytestmark = pytest.mark.skipif(CHROMIUM is None and not __import__("os").environ.get("CI"),
-                                reason="no chromium on this machine (apt-get install chromium)")
+pytestmark = NEEDS_CHROMIUM
 
 FETCH = """async ([api, key, model]) => {
     const headers = {"Content-Type": "application/json"};

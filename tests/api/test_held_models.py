@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from server.api.held import HeldModels, ModelView
+from tests.api.ops.test_dashboard import NEEDS_CHROMIUM
 from tests.api.server import ServerProcess
 
 REAL = "smollm2-135m:int4"
@@ -363,13 +364,12 @@ def test_serve_with_two_names_loads_both_and_keeps_them(two_models, tmp_path):
         proc.stop()
 
 
+@NEEDS_CHROMIUM
 @pytest.mark.real_model
 def test_the_dashboard_lists_the_loaded_models(two_models):
-    from tests.api.ops.test_dashboard import CHROMIUM, FLAGS, Page
-
-    if CHROMIUM is None and not os.environ.get("CI"):  # CI installs it (.ci/run): fails there
-        pytest.skip("no chromium on this machine (apt-get install chromium)")
     from playwright.sync_api import sync_playwright
+
+    from tests.api.ops.test_dashboard import CHROMIUM, FLAGS, Page
 
     httpx.post(f"{two_models.url}/v1/chat/completions", timeout=60, json={
         "model": REAL, "max_tokens": 1, "keep_alive": 120,  # loaded, and kept a while

@@ -8,7 +8,6 @@ with chat's greedy answer to the same prompt."""
 from __future__ import annotations
 
 import json
-import os
 from typing import Literal
 
 import httpx
@@ -16,6 +15,7 @@ import jsonschema
 import pytest
 
 from tests.api.batch.test_batches import read_lines, submit, wait
+from tests.api.ops.test_dashboard import NEEDS_CHROMIUM
 from tests.api.server import ServerProcess
 from tests.helpers import QWEN3_ADDED, hf_model, make_tokenizer, pull_into
 
@@ -224,14 +224,12 @@ def test_a_batch_line_gets_the_same_split(client, thinker):
         want.usage.completion_tokens_details.reasoning_tokens
 
 
+@NEEDS_CHROMIUM
 def test_the_playground_folds_the_reasoning_above_the_answer(opener):
     from openai import OpenAI
+    from playwright.sync_api import sync_playwright
 
     from tests.api.ops.test_dashboard import CHROMIUM, FLAGS, SYSTEM, Page
-
-    if CHROMIUM is None and not os.environ.get("CI"):  # CI installs it (.ci/run): fails there
-        pytest.skip("no chromium on this machine (apt-get install chromium)")
-    from playwright.sync_api import sync_playwright
 
     question = "Think it over: is 2 + 2 four?"
     with OpenAI(base_url=f"{opener.url}/v1", api_key="x", max_retries=0) as c:

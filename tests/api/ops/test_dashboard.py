@@ -20,8 +20,10 @@ from tests.api.server import num_aborted, own_server
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 # CI installs Chromium (.ci/run): there a missing browser fails; elsewhere these tests skip.
-pytestmark = pytest.mark.skipif(CHROMIUM is None and not os.environ.get("CI"),
-                                reason="no chromium on this machine (apt-get install chromium)")
+NEEDS_CHROMIUM = pytest.mark.skipif(CHROMIUM is None and not os.environ.get("CI"),
+                                    reason="no chromium on this machine (apt-get install "
+                                    "chromium)")
+pytestmark = NEEDS_CHROMIUM
 FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
          "--disable-component-update", "--disable-sync", "--no-first-run"]
 SYSTEM, QUESTION = "You are a helpful assistant.", "Tell me a long story."
