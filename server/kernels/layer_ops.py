@@ -28,7 +28,7 @@ import server.kernels.loader as loader
 log = logging.getLogger("localserve")
 
 SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("layer_ops.c", "paged_attention.c", "dense_gemm.c"))
+                for name in ("layer_ops.c", "paged_attention.c", "dense_gemm.c", "decode_step.c"))
 MAX_DIM, MAX_HIDDEN = 1024, 16384  # as in common.h and layer_ops.c
 _DTYPES = (torch.float32, torch.bfloat16)
 _P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
@@ -42,7 +42,10 @@ _SIGNATURES = {
                      ctypes.c_int],
     "dense_gemm": [_P, _P, _P, _I, _I, _I, ctypes.c_int, ctypes.c_int, ctypes.c_int],
     "packed_gemm": [_P, _P, _P, _I, _I, _I, ctypes.c_int],
+    "act_mul": [_P, _P, _P, _I, _I, _I, _I, ctypes.c_int, ctypes.c_int],
+    "decode_step": [_P, _P, _I],
 }
+ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}  # act_mul's kinds (decode_step.c's ACT_*)
 
 _lib = loader.once(lambda: _open_checked())  # the checked library or None, built once
 
@@ -186,6 +189,24 @@ def dense_mm(x: torch.Tensor, weight: torch.Tensor, lib=None,
     return y
 
 
+def act_mul(gate: torch.Tensor, up: torch.Tensor, activation: str,
+            lib=None) -> torch.Tensor | None:
+    """act(gate) * up for rows [T, N] of gate and up (the gated MLP's activation by its config
+    name, decode_step.c), each value rounded as PyTorch's act(gate) * up rounds it; the rows
+    may be strided (halves of one fused projection). None: not here."""
+    lib = lib or _lib()
+    kind = ACTIVATIONS.get(activation)
+    if (lib is None or kind is None or gate.dim() != 2 or gate.shape != up.shape
+            or gate.dtype != up.dtype or gate.dtype not in _DTYPES or gate.stride(1) != 1
+            or up.stride(1) != 1 or gate.device.type != "cpu" or up.device.type != "cpu"):
+        return None
+    (t, n), out = gate.shape, gate.new_empty(gate.shape)
+    if lib.act_mul(gate.data_ptr(), up.data_ptr(), out.data_ptr(), t, n, gate.stride(0),
+                   up.stride(0), kind, gate.dtype == torch.bfloat16):
+        return None
+    return out
+
+
 def packs(lib=None) -> bool:
     """Whether unquantized bf16 layers take the packed kernel here (dense_gemm.c's
     packed_gemm: a build for AVX-512 BF16). Not on AMX CPUs, whose prompt rows oneDNN's AMX
@@ -239,7 +260,8 @@ def _self_check(lib) -> str | None:
             return f"rms_norm {dtype}"
         if not torch.equal(got[3:4], rms_norm(x[3:4].contiguous(), w, 1e-5, lib)):
             return f"rms_norm rows {dtype}"
-        problem = _check_attention(lib, dtype, tol, g) or _check_dense(lib, dtype, tol, g)
+        problem = (_check_attention(lib, dtype, tol, g) or _check_dense(lib, dtype, tol, g)
+                   or _check_act(lib, dtype, tol, g))
         if problem:
             return problem
     return _check_packed(lib, g)
@@ -259,6 +281,22 @@ def _check_dense(lib, dtype: torch.dtype, tol: float, g: torch.Generator) -> str
         wide = dense_mm(x, w, lib, fp32_out=True)  # the same sums, rounded only to fp32
         if wide is None or not torch.equal(wide.to(dtype), got):
             return f"dense_mm fp32 out {dtype} x {wdtype}"
+    return None
+
+
+def _check_act(lib, dtype: torch.dtype, tol: float, g: torch.Generator) -> str | None:
+    """act_mul against PyTorch's act(gate) * up on the halves of fused rows (values to +-12,
+    where the exponentials saturate), each row alone the same bits as in the batch."""
+    torch_acts = {"silu": torch.nn.functional.silu,
+                  "gelu_pytorch_tanh": lambda v: torch.nn.functional.gelu(v, approximate="tanh")}
+    fused = (torch.randn(7, 2 * 300, generator=g) * 4).clamp(-12, 12).to(dtype)
+    gate, up = fused.chunk(2, dim=-1)
+    for name, act in torch_acts.items():
+        got, want = act_mul(gate, up, name, lib), act(gate.float()) * up.float()
+        if got is None or not torch.allclose(got.float(), want, rtol=tol, atol=tol):
+            return f"act_mul {name} {dtype}"
+        if not torch.equal(got[4:5], act_mul(gate[4:5], up[4:5], name, lib)):
+            return f"act_mul rows {name} {dtype}"
     return None
 
 

@@ -1,19 +1,20 @@
-"""A step of decodes only, through the decoder layers in a few calls per layer (CPU kernels).
+"""A step of decodes only, through the decoder layers in one C call (CPU kernels).
 
 At one sequence a layer's kernels take ~100 us and the Python around them took as much again:
 nine module calls, the quantized layers' dispatch, each C helper's checks and allocations, the
 attention groups' bookkeeping. When every row of a step is a generated token, the layers are
 int4 or int8 in our kernels' layout (cpu_gemm.py) or unquantized ones that dense_gemm.c takes,
-and layer_ops.c is built, `DecodePlan.run`
-calls the same C functions on the same inputs with every shape checked once when the plan is
-built, into buffers allocated once per step, and the same PyTorch operators for the residual
-adds and SiLU * up. A row's numbers are therefore the ones the modules compute, bit for bit
+and layer_ops.c is built, `DecodePlan.run` hands the whole step to decode_step.c: the same C
+functions on the same inputs, every shape checked once when the plan is built, the residual
+adds, query scale and gated activation done as the modules do them (the MLP modules call the
+same act_mul). A row's numbers are therefore the ones the modules compute, bit for bit
 (tested), so steps that mix prompt rows in, which keep the modules, agree with it: batch
 invariance holds.
 """
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 import torch
@@ -67,6 +68,54 @@ def _fits(m: nn.Module | None, shape: tuple[int, int]) -> bool:
     return False
 
 
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+_ROPES = ((True, False), (False, False), (True, True))  # (uses rope, local tables): the step's
+
+
+class _Proj(ctypes.Structure):  # decode_step.c's struct proj
+    _fields_ = [("kind", _I), ("w", _P), ("scale", _P), ("group", _I), ("int8_from", _I),
+                ("w_bf16", _I)]
+
+
+class _CLayer(ctypes.Structure):  # struct layer
+    _fields_ = ([(n, _P) for n in ("norm1", "norm2", "post_attn", "post_ffn", "q_norm",
+                                   "k_norm")]
+                + [(n, _Proj) for n in ("qkv", "o", "gate_up", "down")]
+                + [("rope", _I), ("window", _I)])
+
+
+class _Step(ctypes.Structure):  # struct step
+    _fields_ = ([(n, _I) for n in ("t", "h", "inter", "hq", "hkv", "d", "bf16", "cache_bf16",
+                                   "act", "widen")]
+                + [(n, ctypes.c_double) for n in ("eps", "scale", "residual_multiplier")]
+                + [(n, _P) for n in ("x", "normed", "proj", "qkv", "q", "att", "gu", "actv",
+                                     "xb", "yb", "xsum", "query_scale")]
+                + [(n, _P * 3) for n in ("cos", "sin", "positions")]
+                + [(n, _P * 2) for n in ("slots", "ctx", "lens")] + [("max_ctx", _I * 2)]
+                + [("caches", _P), ("num_slots", _P), ("int4", _P), ("int8", _P),
+                   ("int8_f32", _I)])
+
+
+def _proj(m: Packed) -> _Proj:
+    """A projection as decode_step.c calls it: the call its module makes (int4.py, int8.py,
+    linear.py: packed_gemm where it packed its weight, else dense_gemm)."""
+    if isinstance(m, Int4Linear):
+        return _Proj(0, m.q4x32.data_ptr(), None, m.group_size, m.int8_from, 0)
+    if isinstance(m, Int8Linear):
+        return _Proj(1, m.q8.data_ptr(), m.q8_scale.data_ptr(), 0, 0, 0)
+    if m.packed is not None:
+        return _Proj(2, m.packed.data_ptr(), None, 0, 0, 1)
+    return _Proj(3, m.weight.data_ptr(), None, 0, 0, m.weight.dtype == torch.bfloat16)
+
+
+def _c_layer(la: _Layer, windows: list) -> _CLayer:
+    """The layer's weights as pointers (the modules keep the tensors)."""
+    norms = (la.norm1, la.norm2, la.post_attn, la.post_ffn, la.q_norm, la.k_norm)
+    return _CLayer(*(None if n is None else n.data_ptr() for n in norms),
+                   *(_proj(m) for m in (la.qkv, la.o, la.gate_up, la.down)),
+                   _ROPES.index((la.uses_rope, la.local_rope)), windows.index(la.window))
+
+
 class DecodePlan:
     def __init__(self, model: nn.Module, layers: list[_Layer]) -> None:
         c = model.config
@@ -75,8 +124,12 @@ class DecodePlan:
         self.eps = c.rms_norm_eps
         self.scale = c.scale
         self.residual_multiplier = c.residual_multiplier
-        self.act = model.model.layers[0].mlp.act  # the gated MLP's activation, as the modules
+        self.act = layer_ops.ACTIVATIONS[c.activation]  # act_mul's, as the MLP modules call it
         self.layers = layers
+        # the layers' attention windows (None: the whole context), each a context of the step
+        self.windows = list(dict.fromkeys(la.window for la in layers))
+        self.c_layers = (_CLayer * len(layers))(*[_c_layer(la, self.windows) for la in layers])
+        self.windows = (self.windows * 2)[:2]  # the step takes two (decode_step.c)
         # a layer of each window: layers of one window keep their caches in one pool, allocated
         # alike (allocate_kv), so one of them tells the pool's dtype and layout
         self.pool_layers = sorted({la.window: i for i, la in reversed(list(enumerate(layers)))
@@ -93,6 +146,8 @@ class DecodePlan:
         c = model.config
         if c.attn_logit_softcapping is not None or c.attention_sinks:  # the C attention has
             return None  # neither a cap nor sinks
+        if c.activation not in layer_ops.ACTIVATIONS:
+            return None
         if (c.head_dim % 16 or c.head_dim > layer_ops.MAX_DIM
                 or c.hidden_size > layer_ops.MAX_HIDDEN or c.num_heads % c.num_kv_heads):
             return None
@@ -121,6 +176,8 @@ class DecodePlan:
                 weights[0], weights[1], *parts, uses_rope=attn.uses_rope, window=attn.window,
                 q_norm=qk[0].weight if qk else None, k_norm=qk[1].weight if qk else None,
                 post_attn=weights[2], post_ffn=weights[3], local_rope=attn.local_rope))
+        if len({la.window for la in layers}) > 2:  # the step's contexts: whole and windowed
+            return None
         return DecodePlan(model, layers)
 
     def takes(self, x: torch.Tensor, batch, kv_caches) -> bool:
@@ -160,97 +217,48 @@ class DecodePlan:
         return [ropes, views], tables, contexts
 
     def run(self, x: torch.Tensor, rope, kv_caches, batch, local=None) -> torch.Tensor:
-        """x [T, hidden] (the embeddings, updated in place) -> the last layer's output.
-        `local`: windowed layers' own rope (Gemma 3), where the model has it."""
+        """x [T, hidden] (the embeddings, updated in place) -> the last layer's output, in one
+        call of decode_step.c. `local`: windowed layers' own rope (Gemma 3), where the model
+        has it."""
         t, h, dt = x.shape[0], self.hidden, x.dtype
-        bf16 = int(dt == torch.bfloat16)
-        cache_bf16 = int(kv_caches[0][0].dtype == torch.bfloat16)
+        bf16 = dt == torch.bfloat16
         nq, nkv = self.hq * self.d, self.hkv * self.d
-        normed, proj = x.new_empty(t, h), x.new_empty(t, h)
-        qkv = x.new_empty(t, nq + 2 * nkv)
-        q, att = x.new_empty(t, self.hq, self.d), x.new_empty(t, nq)
-        gu = x.new_empty(t, 2 * self.inter)
-        gate, up = gu.chunk(2, dim=-1)
-        xsum = torch.empty(t * self.max_group_count, dtype=torch.float32)
-        ops, lib = self.ops, self.gemm_lib
         # fp32 compute with kernels that take bf16 only (avx512_gemm.c, amx_gemm.c): the int4
         # and int8 layers round x to bf16 and widen their bf16 outputs (int4.py, int8.py)
-        widen = not bf16 and not cpu_gemm.takes_fp32(lib)
-        gemm4 = lib.int4_gemm if bf16 or widen else lib.int4_gemm_f32
-        if widen:  # the bf16 copies in and out, once for the whole step
-            width = max(h, nq + 2 * nkv, 2 * self.inter)
-            xb, yb = (torch.empty(t * width, dtype=torch.bfloat16) for _ in range(2))
-        xp, np_, qkvp, qp, ap, xs = (a.data_ptr() for a in (x, normed, qkv, q, att, xsum))
-        # `kept` holds what the pointers point at
+        widen = not bf16 and not cpu_gemm.takes_fp32(self.gemm_lib)
+        width = max(h, nq + 2 * nkv, 2 * self.inter) if widen else 0
+        buffers = [x.new_empty(t, n) for n in (h, h, nq + 2 * nkv, nq, nq, 2 * self.inter,
+                                               self.inter)]
+        buffers += [torch.empty(t * width, dtype=torch.bfloat16) for _ in range(2)]
+        buffers.append(torch.empty(t * self.max_group_count, dtype=torch.float32))
+        scale = rope.query_scale.contiguous() if rope.query_scale is not None else None
         kept, tables, contexts = self._inputs(rope, local, batch.attention)
-
-        def mm(m: Packed, xin: torch.Tensor, yout: torch.Tensor, n: int, k: int) -> int:
-            """The call the layer's module makes for these rows (int4.py, int8.py)."""
-            if isinstance(m, Linear):
-                return _dense(ops, m, xin, yout, t, n, k, bf16)
-            if widen:
-                xr, yr = xb[:t * k].view(t, k), yb[:t * n].view(t, n)
-                xr.copy_(xin)
-                failed = packed(m, xr.data_ptr(), yr.data_ptr(), n, k)
-                yout.copy_(yr)
-                return failed
-            return packed(m, xin.data_ptr(), yout.data_ptr(), n, k)
-
-        def packed(m: Packed, xin: int, yout: int, n: int, k: int) -> int:
-            if isinstance(m, Int4Linear):
-                return gemm4(xin, m.q4x32.data_ptr(), yout, xs, t, n, k, m.group_size,
-                             m.int8_from)
-            if bf16 or widen:
-                return lib.int8_gemm(xin, m.q8.data_ptr(), m.q8_scale.data_ptr(), yout, t, n, k,
-                                     0)
-            return lib.int8_gemm_f32(xin, m.q8.data_ptr(), m.q8_scale.data_ptr(), yout, t, n, k)
-
-        failed = 0
-        for la, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            kc, vc, num_slots = k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1]
-            slots, ctx, lens, max_ctx = contexts[la.window]
-            failed |= ops.rms_norm(xp, la.norm1.data_ptr(), np_, t, h, self.eps, bf16)
-            failed |= mm(la.qkv, normed, qkv, nq + 2 * nkv, h)
-            cos, sin, pos = tables[la.uses_rope, la.local_rope]
-            qn, kn = (None if n is None else n.data_ptr() for n in (la.q_norm, la.k_norm))
-            failed |= ops.rope_store(qkvp, t, nq + 2 * nkv, self.hq, self.hkv, self.d, cos, sin,
-                                     pos, slots, qp, kc, vc, num_slots, bf16, cache_bf16, qn, kn,
-                                     self.eps)
-            if rope.query_scale is not None:  # as the module scales it (Ministral 3)
-                q.mul_(rope.query_scale)
-            failed |= ops.paged_decode(qp, kc, vc, ctx, lens, ap, t, self.hq, self.hkv, self.d,
-                                       max_ctx, num_slots, self.scale, bf16, cache_bf16)
-            failed |= mm(la.o, att, proj, h, nq)
-            if la.post_attn is not None:  # in place: rms_norm reads a row before writing it
-                failed |= ops.rms_norm(proj.data_ptr(), la.post_attn.data_ptr(),
-                                       proj.data_ptr(), t, h, self.eps, bf16)
-            add_residual(x, proj, self.residual_multiplier)
-            failed |= ops.rms_norm(xp, la.norm2.data_ptr(), np_, t, h, self.eps, bf16)
-            failed |= mm(la.gate_up, normed, gu, 2 * self.inter, h)
-            act = self.act(gate) * up
-            failed |= mm(la.down, act, proj, h, self.inter)
-            if la.post_ffn is not None:
-                failed |= ops.rms_norm(proj.data_ptr(), la.post_ffn.data_ptr(),
-                                       proj.data_ptr(), t, h, self.eps, bf16)
-            add_residual(x, proj, self.residual_multiplier)
-        if failed:  # shapes were checked when the plan was built: a kernel's own refusal
+        caches = (ctypes.c_void_p * (2 * len(kv_caches)))(
+            *[c.data_ptr() for pair in kv_caches for c in pair])
+        slots = (ctypes.c_int64 * len(kv_caches))(*[k.shape[1] for k, _ in kv_caches])
+        step = _Step(
+            t, h, self.inter, self.hq, self.hkv, self.d, bf16,
+            kv_caches[0][0].dtype == torch.bfloat16, self.act, widen, self.eps, self.scale,
+            self.residual_multiplier, x.data_ptr(), *(b.data_ptr() for b in buffers),
+            None if scale is None else scale.data_ptr(),
+            *(tuple(tables[key][i] for key in _ROPES) for i in range(3)),
+            *(tuple(contexts[w][i] for w in self.windows) for i in range(4)),
+            ctypes.addressof(caches), ctypes.addressof(slots), self._int4(bf16 or widen),
+            *self._int8(bf16 or widen))
+        if self.ops.decode_step(ctypes.byref(step), self.c_layers, len(self.layers)):
+            # shapes were checked when the plan was built: a kernel's own refusal
             raise RuntimeError("a CPU kernel declined a decode step it was planned for")
+        del kept
         return x
 
+    def _int4(self, takes_bf16: bool) -> int | None:
+        """The int4 GEMM the layers' modules call for rows of this dtype, as a pointer."""
+        lib = self.gemm_lib
+        fn = lib.int4_gemm if takes_bf16 else lib.int4_gemm_f32
+        return ctypes.cast(fn, ctypes.c_void_p).value
 
-def _dense(ops, m: Linear, xin: torch.Tensor, yout: torch.Tensor, t: int, n: int, k: int,
-           bf16: bool) -> int:
-    """The call an unquantized layer's forward makes for these rows: packed_gemm where it
-    packed its weight, else dense_gemm."""
-    if m.packed is not None:
-        return ops.packed_gemm(xin.data_ptr(), m.packed.data_ptr(), yout.data_ptr(), t, n, k, 0)
-    return ops.dense_gemm(xin.data_ptr(), m.weight.data_ptr(), yout.data_ptr(), t, n, k, bf16,
-                          m.weight.dtype == torch.bfloat16, 0)
-
-
-def add_residual(x: torch.Tensor, branch: torch.Tensor, multiplier: float) -> None:
-    """x += branch * multiplier in place, rounded as llama.residual rounds it (the branch
-    scaled in the compute dtype first)."""
-    if multiplier != 1.0:
-        branch.mul_(multiplier)
-    x.add_(branch)
+    def _int8(self, takes_bf16: bool) -> tuple[int | None, bool]:
+        """The int8 GEMM as a pointer, and whether it is the fp32 one (no output flag)."""
+        lib = self.gemm_lib
+        fn = lib.int8_gemm if takes_bf16 else lib.int8_gemm_f32
+        return ctypes.cast(fn, ctypes.c_void_p).value, not takes_bf16

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+import server.kernels.layer_ops as layer_ops
 from server.models.config import ModelConfig
 from server.models.linear import Linear
 from server.quant import fuse_linears
@@ -30,7 +31,7 @@ class MLP(nn.Module):
             self.gate_proj = Linear(h, i, bias=bias)
             self.up_proj = Linear(h, i, bias=bias)
         self.down_proj = Linear(i, h, bias=bias)
-        self.act = ACTIVATIONS[config.activation]
+        self.activation, self.act = config.activation, ACTIVATIONS[config.activation]
 
     def fuse(self) -> None:
         if self.gate_up_proj is not None:
@@ -48,5 +49,10 @@ class MLP(nn.Module):
         return self.down_proj(self.glu(gate, up), rows)
 
     def glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        """The gated activation of gate and up."""
+        """The gated activation of gate and up: on the CPU layer_ops' (the decode plan's own,
+        so that its rows and the modules' agree bit for bit), else PyTorch's."""
+        if gate.device.type == "cpu" and gate.dim() == 2:
+            out = layer_ops.act_mul(gate, up, self.activation)
+            if out is not None:
+                return out
         return self.act(gate) * up

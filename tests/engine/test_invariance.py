@@ -325,6 +325,11 @@ PLANNED_FAMILIES = {
     "smollm3 (rotary-less layers)": {"architectures": ["SmolLM3ForCausalLM"],
                                      "no_rope_layers": [int((i + 1) % 4 != 0)
                                                         for i in range(30)]},
+    "ministral3 (queries scaled by position)": {
+        "architectures": ["Ministral3ForCausalLM"], "rope_parameters": {
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0,
+            "beta_slow": 1.0, "llama_4_scaling_beta": 0.1,
+            "original_max_position_embeddings": 32}},
     "gemma3 (sandwich norms, GeGLU, local layers)": {
         "architectures": ["Gemma3ForCausalLM"], "sliding_window": 64,
         "query_pre_attn_scalar": 64, "rope_local_base_freq": 10000.0,

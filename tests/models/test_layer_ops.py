@@ -118,6 +118,25 @@ def test_rms_norm_matches_the_reference_and_rows_are_independent(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", sorted(layer_ops.ACTIVATIONS))
+def test_the_gated_activation_matches_pytorch_and_rows_are_independent(dtype, activation):
+    """act_mul (decode_step.c) on the halves of fused gate|up rows, as the MLP module calls it
+    on the CPU: within rounding of PyTorch's act(gate) * up over the range where the
+    exponentials saturate (to +-30), every row alone the bits it gets in a batch, and a width
+    that is no multiple of the vector (1000)."""
+    from server.models.mlp import ACTIVATIONS
+
+    fused = (torch.randn(13, 2000) * 8).clamp(-30, 30).to(dtype)
+    gate, up = fused.chunk(2, dim=-1)
+    got = layer_ops.act_mul(gate, up, activation)
+    want = ACTIVATIONS[activation](gate.float()) * up.float()
+    torch.testing.assert_close(got.float(), want, atol=TOL[dtype], rtol=TOL[dtype])
+    assert all(torch.equal(got[i], layer_ops.act_mul(gate[i:i + 1], up[i:i + 1],
+                                                     activation)[0]) for i in range(13))
+    assert layer_ops.act_mul(gate, up, "relu") is None  # a kind it does not have: PyTorch's
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_rope_store_matches_pytorch(dtype, monkeypatch):
     """The fused path and the PyTorch path of the same Attention module: same queries, same
     cache contents."""
