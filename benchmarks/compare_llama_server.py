@@ -10,9 +10,10 @@ of those models' (benchmarks/random_gguf.py, written and pulled on first use). l
 runs with `-t 2 --parallel 16 -c 32768 --jinja --reasoning-format none`
 (more context for prompts that would not fit a slot).
 A roofline row gives the tokens/s that reading the weights once per step at the machine's
-measured bandwidth allows. With --rounds N the servers take turns N times (fresh servers each
-round), since a shared host drifts by 20-30% within minutes: each figure is then the median
-of its rounds, and each ratio the median of the ratios within a round, with their range.
+read bandwidth allows, measured just before that server ran. With --rounds N the servers take
+turns N times (fresh servers each round), since a shared host drifts by 20-30% within minutes:
+each figure is then the median of its rounds, and each ratio the median of the ratios within
+a round, with their range.
 Writes benchmarks/results/compare-SHAPE-KIND.{json,md,png} and the table between the
 compare-SHAPE-KIND markers (KIND: amx, zen4, zen5, avx512 or avx2) of benchmarks/RESULTS.md;
 a run with another load than the tables' (--prompt-tokens, --output-tokens, --per-client,
@@ -365,23 +366,27 @@ def custom_load(ap: argparse.ArgumentParser, args: argparse.Namespace) -> list[s
 
 
 def run_all(args: argparse.Namespace) -> list[dict]:
+    """Each server's report, with the read bandwidth measured just before it ran: the host's
+    drifts by tens of percent within a run, so each roofline is its own server's."""
     reports = []
-    bandwidth = read_bandwidth()
+
+    def probed(serve, weight_tag: str) -> None:
+        bandwidth = read_bandwidth()
+        reports.append(serve() | {"weight_bytes": weight_bytes(args.shape, weight_tag, gguf),
+                                  "bandwidth": bandwidth})
+
     with tempfile.TemporaryDirectory() as tmp:
         gguf = gguf_path(args.shape, Path(tmp))
         for tag in args.bits.split(","):
-            reports.append(serve_localserve(tag, Path(tmp), args, gguf)
-                           | {"weight_bytes": weight_bytes(args.shape, tag, gguf)})
+            probed(lambda tag=tag: serve_localserve(tag, Path(tmp), args, gguf), tag)
         if args.llama_server:
-            reports.append(serve_llama(args.llama_server, Path(tmp), args, gguf)
-                           | {"weight_bytes": weight_bytes(args.shape, "gguf", gguf)})
+            probed(lambda: serve_llama(args.llama_server, Path(tmp), args, gguf), "gguf")
         if args.vllm:
-            reports.append(serve_vllm(args.vllm, Path(tmp), args, gguf)
-                           | {"weight_bytes": weight_bytes(args.shape, "bf16", gguf)})
+            probed(lambda: serve_vllm(args.vllm, Path(tmp), args, gguf), "bf16")
         if args.vllm and args.llmcompressor:
-            reports.append(serve_vllm(args.vllm, Path(tmp), args, gguf, args.llmcompressor)
-                           | {"weight_bytes": weight_bytes(args.shape, "int4", gguf)})
-    return [r | {"bandwidth": bandwidth} for r in reports]
+            probed(lambda: serve_vllm(args.vllm, Path(tmp), args, gguf, args.llmcompressor),
+                   "int4")
+    return reports
 
 
 def machine_kind() -> str:
@@ -412,11 +417,12 @@ def write_results(md: str, run: dict, shape: str, readme: Path | None = None) ->
     text = readme.read_text()
     kind = run.get("kind") or machine_kind()
     start, end = f"<!-- compare-{shape}-{kind}:start -->", f"<!-- compare-{shape}-{kind}:end -->"
-    bandwidth = run["reports"][0]["bandwidth"] / 1e9
+    probes = sorted(r["bandwidth"] / 1e9 for r in run["reports"])
+    bandwidth = f"{probes[0]:.1f}" + (f"-{probes[-1]:.1f}" if len(probes) > 1 else "")
     command = re.sub(r"--llama-server \S+", "--llama-server BIN", run["command"])
     command = re.sub(r"--(vllm|llmcompressor) \S+", r"--\1 PYTHON", command)
     note = (f"\n`benchmarks/compare_llama_server.py {command}`, {run['date']}, "
-            f"{run['machine']}, read bandwidth {bandwidth:.1f} GB/s:\n\n")
+            f"{run['machine']}, read bandwidth {bandwidth} GB/s (before each server):\n\n")
     if start not in text or end not in text:
         other = re.search(rf"<!-- compare-{re.escape(shape)}-[\w-]+:end -->\n", text)
         if other is None:
