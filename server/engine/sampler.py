@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+import server.kernels.layer_ops as layer_ops
 from server.engine.grammar import GrammarMasks
 from server.engine.sequence import Sequence
 
@@ -58,8 +59,11 @@ class Sampler:
 
         temps = [s.params.temperature for s in seqs]
         # max's indices are argmax's (the first maximum; a NaN wins), in 0.80 ms instead of
-        # 1.47 at 32 rows x 49,152 [Intel(R) Xeon(R) Processor, AVX-512 BF16 no, AMX no]
-        token_ids = logits.max(dim=-1).indices  # [N]
+        # 1.47 at 32 rows x 49,152 [Intel(R) Xeon(R) Processor, AVX-512 BF16 no, AMX no];
+        # layer_ops.argmax the same on CPU rows: 188 against 362 us (Zen 5)
+        token_ids = layer_ops.argmax(logits) if logits.device.type == "cpu" else None
+        if token_ids is None:
+            token_ids = logits.max(dim=-1).indices  # [N]
         random_rows = [i for i, t in enumerate(temps) if t > 0]
         if random_rows:
             rows = torch.tensor(random_rows, device=logits.device)

@@ -17,6 +17,7 @@
 #include <string.h>
 
 #include "common.h"
+#include "vectors.h"
 
 /* sum a[i] * b[i], in LANES lanes then pairwise; the tail (n % LANES) added last in order. */
 static inline float dot(const float *a, const float *b, int64_t n) {
@@ -101,6 +102,46 @@ int rope_store(const void *qkv, int64_t t, int64_t row_stride, int64_t hq, int64
             char *cache = (char *)(h < hq + hkv ? k_cache : v_cache);
             store_row(cache + (kh * num_slots + slots[i]) * d * ces, y, d, cache_bf16);
         }
+    }
+    return 0;
+}
+
+/* out[r] = the index of row r's greatest value (x: fp32 [t, n]), the first of equal ones; a NaN
+ * wins (the first), as PyTorch's max(dim=-1).indices: the greatest by lanes, then the first
+ * position that holds it. */
+int argmax_rows(const float *x, int64_t t, int64_t n, int64_t *out) {
+    if (n < 1) return 1;
+    #pragma omp parallel for schedule(static) if (t * n >= (1 << 17))
+    for (int64_t r = 0; r < t; r++) {
+        const float *row = x + r * n;
+        float best = row[0];
+        int nan = best != best;
+        int64_t i = 0;
+        if (n >= VL) {
+            vf m, v;
+            i32v seen = {0};
+            memcpy(&m, row, sizeof m);
+            for (i = 0; i + VL <= n; i += VL) {
+                memcpy(&v, row + i, sizeof v);
+                seen |= v != v;
+                m = vmax(m, v);
+            }
+            float lane[VL];
+            int32_t flags[VL];
+            memcpy(lane, &m, sizeof lane);
+            memcpy(flags, &seen, sizeof flags);
+            for (int l = 0; l < VL; l++) {
+                best = lane[l] > best ? lane[l] : best;
+                nan |= flags[l] != 0;
+            }
+        }
+        for (; i < n; i++) {
+            best = row[i] > best ? row[i] : best;
+            nan |= row[i] != row[i];
+        }
+        int64_t at = 0;
+        while (at < n && (nan ? row[at] == row[at] : row[at] != best)) at++;
+        out[r] = at;
     }
     return 0;
 }

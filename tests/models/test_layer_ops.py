@@ -117,6 +117,17 @@ def test_rms_norm_matches_the_reference_and_rows_are_independent(dtype):
     assert all(torch.equal(got[i], norm(x[i:i + 1])[0]) for i in range(37))
 
 
+def test_argmax_is_pytorch_s_max_indices():
+    """The sampler's greedy pick on CPU logits (sampler.py): x.max(dim=-1).indices exactly, the
+    first of equal values, the first NaN where a row has one, on a vocabulary's width."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(-5, 6, (9, 49152), generator=g).float()  # many ties at the top
+    x[4, 30000], x[4, 12], x[6] = float("nan"), float("nan"), float("-inf")
+    for rows in (x, x[:, :7].contiguous(), x[:1]):
+        assert torch.equal(layer_ops.argmax(rows), rows.max(dim=-1).indices)
+    assert layer_ops.argmax(x.bfloat16()) is None  # fp32 logits only: PyTorch's otherwise
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("activation", sorted(layer_ops.ACTIVATIONS))
 def test_the_gated_activation_matches_pytorch_and_rows_are_independent(dtype, activation):
