@@ -52,8 +52,8 @@ def kinds_for(flags: set[str], vendor: str) -> list[str]:
     (smollm2-135m:int4 decode 1.4x faster at one sequence and 2.4x at 32, the 1.7B shape
     1.1-3.3x) [Intel(R) Xeon(R) Processor, family 6 model 207, AVX-512 BF16 yes, AMX no]. So
     such a CPU without AMX (Cooper Lake, or a Xeon whose VM hides AMX) takes it first, and one
-    whose OS refuses AMX state falls back to it. AMD's AVX-512 BF16 cores keep avx512_gemm.c
-    (not measured against the VNNI path there)."""
+    whose OS refuses AMX state falls back to it. AMD's keep avx512_gemm.c (Zen 5: 1.1-1.2x the
+    VNNI path's decode at 32 sequences, benchmarks/RESULTS.md; Zen 4 not measured)."""
     kinds = [kind for kind, need in (
         ("amx", {"avx512_bf16", "avx512bw", "amx_bf16", "amx_tile"}),
         ("avx512_bf16", {"avx512_bf16", "avx512bw"}),
