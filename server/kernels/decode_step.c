@@ -15,23 +15,8 @@
 #include <string.h>
 
 #include "common.h"
+#include "layer_ops.h"
 #include "vectors.h"
-
-int rms_norm(const void *x, const void *weight, void *out, int64_t t, int64_t h, double eps,
-             int bf16);
-int rope_store(const void *qkv, int64_t t, int64_t row_stride, int64_t hq, int64_t hkv,
-               int64_t d, const float *cos_t, const float *sin_t, const int64_t *positions,
-               const int64_t *slots, void *q_out, void *k_cache, void *v_cache,
-               int64_t num_slots, int bf16, int cache_bf16, const void *q_norm,
-               const void *k_norm, double eps);
-int paged_decode(const void *q, const void *k_cache, const void *v_cache,
-                 const int64_t *ctx_slots, const int64_t *lens, void *out, int64_t b,
-                 int64_t hq, int64_t hkv, int64_t d, int64_t max_ctx, int64_t num_slots,
-                 double scale, int bf16, int cache_bf16);
-int dense_gemm(const void *x, const void *w, void *y, int64_t m, int64_t n, int64_t k,
-               int x_bf16, int w_bf16, int y_f32);
-int packed_gemm(const void *x, const void *w, void *y, int64_t m, int64_t n, int64_t k,
-                int y_f32);
 
 #define CHUNK 256  /* values of a row the element-wise operations take at a time */
 enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
@@ -161,8 +146,7 @@ static int project(const struct step *s, const struct proj *p, const void *x, vo
     const void *xin = x;
     void *yout = y;
     if (s->widen) {  /* x rounded to bf16, the bf16 result widened: as int4.py, int8.py */
-        uint16_t *xb = (uint16_t *)s->xb;
-        for (int64_t i = 0; i < t * k; i++) xb[i] = float_to_bf16(((const float *)x)[i]);
+        store_row(s->xb, (const float *)x, t * k, 1);
         xin = s->xb, yout = s->yb;
     }
     int failed;
@@ -172,9 +156,7 @@ static int project(const struct step *s, const struct proj *p, const void *x, vo
         failed = ((gemm8_f32_fn)s->int8)(xin, p->w, p->scale, yout, t, n, k);
     else
         failed = ((gemm8_fn)s->int8)(xin, p->w, p->scale, yout, t, n, k, 0);
-    if (s->widen)
-        for (int64_t i = 0; i < t * n; i++)
-            ((float *)y)[i] = bf16_to_float(((const uint16_t *)s->yb)[i]);
+    if (s->widen) load_row((float *)y, s->yb, t * n, 1);
     return failed;
 }
 

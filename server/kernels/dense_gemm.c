@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "common.h"
+#include "layer_ops.h"
 #include "vectors.h"
 
 #if defined(__AVX512BF16__)

@@ -17,6 +17,7 @@
 #include <string.h>
 
 #include "common.h"
+#include "layer_ops.h"
 #include "vectors.h"
 
 /* sum a[i] * b[i], in LANES lanes then pairwise; the tail (n % LANES) added last in order. */

@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "common.h"
+#include "layer_ops.h"
 #include "vectors.h"
 
 /* Each row r's scores (score + r * stride) over its own n[r] positions become e^(s - max), their

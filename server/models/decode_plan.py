@@ -127,9 +127,9 @@ class DecodePlan:
         self.act = layer_ops.ACTIVATIONS[c.activation]  # act_mul's, as the MLP modules call it
         self.layers = layers
         # the layers' attention windows (None: the whole context), each a context of the step
-        self.windows = list(dict.fromkeys(la.window for la in layers))
-        self.c_layers = (_CLayer * len(layers))(*[_c_layer(la, self.windows) for la in layers])
-        self.windows = (self.windows * 2)[:2]  # the step takes two (decode_step.c)
+        windows = list(dict.fromkeys(la.window for la in layers))
+        self.c_layers = (_CLayer * len(layers))(*[_c_layer(la, windows) for la in layers])
+        self.windows = (windows * 2)[:2]  # the step takes two (decode_step.c)
         # a layer of each window: layers of one window keep their caches in one pool, allocated
         # alike (allocate_kv), so one of them tells the pool's dtype and layout
         self.pool_layers = sorted({la.window: i for i, la in reversed(list(enumerate(layers)))
