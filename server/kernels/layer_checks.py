@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+
 def self_check(ops, lib) -> str | None:
     """None if every function of `ops` (the layer_ops module) on `lib` matches PyTorch within
     rounding and gives each row the same bits alone and batched; else what failed."""
