@@ -60,13 +60,13 @@ def main(argv: list[str] | None = None) -> int:
 def _is_user_error(e: Exception) -> bool:
     from cli.http import ServerError
     from server.models.config import UnsupportedModelError
-    from storage.db import DatabaseBusyError, DatabaseCorruptError
     from storage.gguf import GGUFError
     from storage.models import ModelStoreError
     from storage.sources import SourceError
+    from storage.sql import StoreError
 
     return isinstance(e, SourceError | ModelStoreError | UnsupportedModelError | GGUFError
-                      | DatabaseBusyError | DatabaseCorruptError | ServerError | ValueError)
+                      | StoreError | ServerError | ValueError)
 
 
 if __name__ == "__main__":

@@ -123,6 +123,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"))
     p.add_argument("--access-log", action="store_true", help="log every request")
+    p.add_argument("--store", default=os.environ.get("LOCALSERVE_STORE") or None,
+                   metavar="URL", help="a PostgreSQL database the replicas of a fleet share "
+                   "(postgresql://USER@HOST:PORT/DATABASE; default $LOCALSERVE_STORE, else "
+                   "the SQLite file in the home; docs/fleet.md)")
     p.set_defaults(func=run)
 
 
@@ -152,6 +156,7 @@ FLAGS = {
     "keep_alive": ("--keep-alive", "keep_alive"),
     "memory_limit": ("--memory-limit", "memory_limit"),
     "routes": ("--route", None),
+    "store": ("--store", None),
 }
 
 
@@ -187,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
                 prefix_cache_bytes=args.prefix_cache_mb << 20,
                 idle_release_seconds=args.idle_release_seconds or None,
                 idle_cache_bytes=args.idle_cache_mb << 20, recache_replies_after=0.5),
-            device=args.device, dtype=args.dtype, threads=args.threads,
+            device=args.device, dtype=args.dtype, threads=args.threads, store=args.store,
             prices=Prices(args.price_input, args.price_output, args.batch_discount),
             batch_window_seconds=args.batch_window,
             batch_max_running=args.batch_max_running, grammar_timeout=args.grammar_timeout,

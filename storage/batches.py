@@ -1,4 +1,4 @@
-"""Batches and their lines in SQLite: the durable half of the Batch API.
+"""Batches and their lines in the store: the durable half of the Batch API.
 
 A line is 'pending' until its result is stored; storing it moves it to 'done' (2xx), 'failed'
 (an error answer) or 'cancelled' / 'expired' in the same transaction that counts it, and only
@@ -16,6 +16,7 @@ from typing import Any
 
 from storage.db import Database
 from storage.files import FileStore, idempotent_hit, remember
+from storage.sql import Conn
 
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 ENDED = ("completed", "failed", "expired", "cancelled")
@@ -56,25 +57,24 @@ class BatchStore:
             row["metadata"] = json.dumps(fields.get("metadata"))
             if lines is not None:
                 row |= {"status": "in_progress", "in_progress_at": now, "total": len(lines)}
-            db["batches"].insert(row)
+            db.insert("batches", row)
             if lines is not None:
                 self._insert_lines(db, row["id"], lines)
             if idempotency_key:
                 remember(db, tenant, "batches", idempotency_key, row["id"])
-        return self._get(self.db.db, tenant, row["id"])
+        return self._get(self.db.conn, tenant, row["id"])
 
     def get(self, tenant: str, batch_id: str, messages: bool = False
             ) -> dict[str, Any] | None:
         """The tenant's OpenAI batch or (messages) Anthropic Message Batch of that id."""
-        row = self._get(self.db.db, tenant, batch_id)
+        row = self._get(self.db.conn, tenant, batch_id)
         return row if row is not None and (row["endpoint"] == MESSAGES) == messages else None
 
-    def _get(self, db, tenant: str | None, batch_id: str) -> dict[str, Any] | None:
+    def _get(self, db: Conn, tenant: str | None, batch_id: str) -> dict[str, Any] | None:
         sql, args = "select * from batches where id = ?", [batch_id]
         if tenant is not None:
             sql, args = sql + " and tenant = ?", [batch_id, tenant]
-        rows = list(db.query(sql, args))
-        return rows[0] if rows else None
+        return db.one(sql, args)
 
     def list(self, tenant: str, limit: int, after: str | None = None, before: str | None = None,
              messages: bool = False) -> tuple[list[dict[str, Any]], bool]:
@@ -84,14 +84,14 @@ class BatchStore:
         where = f"tenant = ? and endpoint {'=' if messages else '!='} ?"
         args: list[Any] = [tenant, MESSAGES]
         if after:
-            where += " and rowid < coalesce((select rowid from batches where id = ?), -1)"
-            args.append(after)
+            where += " and rowid < coalesce((select rowid from batches where id = ?), ?)"
+            args += [after, -1]
         if before:
-            where += " and rowid > coalesce((select rowid from batches where id = ?), 1 << 62)"
-            args.append(before)
+            where += " and rowid > coalesce((select rowid from batches where id = ?), ?)"
+            args += [before, 1 << 62]
         order = "asc" if before and not after else "desc"  # nearest the cursor first
-        rows = list(self.db.db.query(f"select * from batches where {where} order by rowid "
-                                     f"{order} limit ?", [*args, limit + 1]))
+        rows = self.db.conn.query(f"select * from batches where {where} order by rowid "
+                                  f"{order} limit ?", [*args, limit + 1])
         page = rows[:limit]
         return (page[::-1] if order == "asc" else page), len(rows) > limit
 
@@ -105,28 +105,27 @@ class BatchStore:
     def active(self) -> list[dict[str, Any]]:
         """Batches with work left (all tenants), oldest first."""
         marks = ",".join("?" * len(ACTIVE))
-        return list(self.db.db.query(f"select * from batches where status in ({marks}) "
-                                     "order by rowid", list(ACTIVE)))
+        return self.db.conn.query(f"select * from batches where status in ({marks}) "
+                                  "order by rowid", list(ACTIVE))
 
     def usage(self, batch_id: str) -> dict[str, int]:
-        rows = list(self.db.db.query(
+        row = self.db.conn.one(
             "select coalesce(sum(prompt_tokens), 0) as p, coalesce(sum(completion_tokens), 0) "
             "as c, coalesce(sum(cached_tokens), 0) as k from batch_lines where batch_id = ?",
-            [batch_id]))
-        return rows[0]
+            [batch_id])
+        return {k: int(v) for k, v in row.items()}  # PostgreSQL's sums are numeric
 
     def set_status(self, batch_id: str, status: str, from_statuses: tuple[str, ...]) -> bool:
         """Move to `status` (stamping `<status>_at`) if the batch is in one of from_statuses."""
         with self.db.transaction() as db:
             return self._move(db, batch_id, status, from_statuses)
 
-    def _move(self, db, batch_id: str, status: str, from_statuses: tuple[str, ...]) -> bool:
+    def _move(self, db: Conn, batch_id: str, status: str, from_statuses: tuple[str, ...]) -> bool:
         marks = ",".join("?" * len(from_statuses))
         stamp = f", {status}_at = ?" if f"{status}_at" in TIMESTAMPS else ""
         args = [status] + ([int(time.time())] if stamp else []) + [batch_id, *from_statuses]
-        cur = db.execute(f"update batches set status = ?{stamp} where id = ? and status in "
-                         f"({marks})", args)
-        return cur.rowcount == 1
+        return db.execute(f"update batches set status = ?{stamp} where id = ? and status in "
+                          f"({marks})", args) == 1
 
     # -- validation ------------------------------------------------------------------------------
 
@@ -142,11 +141,11 @@ class BatchStore:
         return True
 
     @staticmethod
-    def _insert_lines(db, batch_id: str, lines: list[tuple[int, str, str]]) -> None:
-        db.conn.executemany(
-            "insert or ignore into batch_lines (batch_id, custom_id, line, body, state) "
-            "values (?, ?, ?, ?, 'pending')",
-            [(batch_id, cid, n, body) for n, cid, body in lines])
+    def _insert_lines(db: Conn, batch_id: str, lines: list[tuple[int, str, str]]) -> None:
+        db.executemany(
+            "insert into batch_lines (batch_id, custom_id, line, body, model, state) "
+            "values (?, ?, ?, ?, ?, 'pending') on conflict do nothing",
+            [(batch_id, cid, n, body, _model(body)) for n, cid, body in lines])
 
     def fail(self, batch_id: str, errors: list[dict[str, Any]]) -> None:
         with self.db.transaction() as db:
@@ -161,29 +160,27 @@ class BatchStore:
         """Pending lines, leaving out those already running (`skip`): those naming a `loaded`
         model first, then grouped by the model they name, each group in input order (so a
         batch of several models loads each once, not at every other line)."""
-        model = "json_extract(body, '$.model')"
-        first = f"case when {model} in ({', '.join('?' * len(loaded))}) then 0 else 1 end, " \
+        first = f"case when model in ({', '.join('?' * len(loaded))}) then 0 else 1 end, " \
             if loaded else ""
-        rows = self.db.db.query(f"select custom_id, line, body from batch_lines where batch_id "
-                                f"= ? and state = 'pending' order by {first}{model}, line "
-                                "limit ?", [batch_id, *loaded, limit + len(skip)])
+        rows = self.db.conn.query(f"select custom_id, line, body from batch_lines where "
+                                  f"batch_id = ? and state = 'pending' order by {first}model, "
+                                  "line limit ?", [batch_id, *loaded, limit + len(skip)])
         return [r for r in rows if r["custom_id"] not in skip][:limit]
 
     def line_counts(self, batch_id: str) -> dict[str, int]:
         """Lines by state: pending, done, failed, cancelled, expired."""
-        rows = self.db.db.query("select state, count(*) as n from batch_lines where batch_id "
-                                "= ? group by state", [batch_id])
+        rows = self.db.conn.query("select state, count(*) as n from batch_lines where "
+                                  "batch_id = ? group by state", [batch_id])
         return {r["state"]: r["n"] for r in rows}
 
     def lines_after(self, batch_id: str, line: int, limit: int) -> list[dict[str, Any]]:
         """Up to `limit` lines after line number `line`, in input order."""
-        return list(self.db.db.query("select * from batch_lines where batch_id = ? and line > ? "
-                                     "order by line limit ?", [batch_id, line, limit]))
+        return self.db.conn.query("select * from batch_lines where batch_id = ? and line > ? "
+                                  "order by line limit ?", [batch_id, line, limit])
 
     def num_pending(self, batch_id: str) -> int:
-        rows = self.db.db.query("select count(*) as n from batch_lines where batch_id = ? and "
-                                "state = 'pending'", [batch_id])
-        return next(iter(rows))["n"]
+        return self.db.conn.one("select count(*) as n from batch_lines where batch_id = ? and "
+                                "state = 'pending'", [batch_id])["n"]
 
     def record(self, batch_id: str, custom_id: str, request_id: str, status_code: int,
                body: dict[str, Any], usage_row: dict[str, Any] | None) -> bool:
@@ -192,13 +189,13 @@ class BatchStore:
         prompt, completion, cached = _token_counts(body.get("usage") if status_code < 300
                                                    else None)
         with self.db.transaction() as db:
-            cur = db.execute(
+            changed = db.execute(
                 "update batch_lines set state = ?, status_code = ?, response = ?, "
                 "request_id = ?, prompt_tokens = ?, completion_tokens = ?, cached_tokens = ? "
                 "where batch_id = ? and custom_id = ? and state = 'pending'",
                 [state, status_code, json.dumps(body, ensure_ascii=False), request_id,
                  prompt, completion, cached, batch_id, custom_id])
-            if cur.rowcount != 1:
+            if changed != 1:
                 return False
             column = "completed" if state == "done" else "failed"
             db.execute(f"update batches set {column} = {column} + 1 where id = ?", [batch_id])
@@ -212,11 +209,11 @@ class BatchStore:
         """Every pending line becomes `state` ('cancelled' / 'expired') with an error."""
         error = json.dumps({"code": code, "message": message})
         with self.db.transaction() as db:
-            cur = db.execute("update batch_lines set state = ?, error = ? where batch_id = ? "
-                             "and state = 'pending'", [state, error, batch_id])
+            closed = db.execute("update batch_lines set state = ?, error = ? where batch_id = ? "
+                                "and state = 'pending'", [state, error, batch_id])
             db.execute("update batches set failed = failed + ? where id = ?",
-                       [cur.rowcount, batch_id])
-        return cur.rowcount
+                       [closed, batch_id])
+        return closed
 
     # -- finalizing ------------------------------------------------------------------------------
 
@@ -234,14 +231,15 @@ class BatchStore:
             stamps = {f"{final_status}_at": now}
             if final_status == "completed":
                 stamps["finalizing_at"] = batch["finalizing_at"] or now
-            db["batches"].update(batch_id, {"status": final_status, "output_file_id": output_id,
-                                            "error_file_id": error_id, **stamps})
+            db.update("batches", "id", batch_id, {
+                "status": final_status, "output_file_id": output_id, "error_file_id": error_id,
+                **stamps})
 
-    def _write_outputs(self, db, batch: dict[str, Any]) -> tuple[str | None, str | None]:
+    def _write_outputs(self, db: Conn, batch: dict[str, Any]) -> tuple[str | None, str | None]:
         """OpenAI's output and error files (ids of those written)."""
         batch_id = batch["id"]
-        rows = list(db.query("select * from batch_lines where batch_id = ? order by line",
-                             [batch_id]))
+        rows = db.query("select * from batch_lines where batch_id = ? order by line",
+                        [batch_id])
         good = [_output_line(r) for r in rows if r["state"] == "done"]
         bad = [_output_line(r) for r in rows if r["state"] != "done"]
         output_id = error_id = None
@@ -254,6 +252,12 @@ class BatchStore:
             self.files.write(db, error_id, batch["tenant"], f"{batch_id}_errors.jsonl",
                              "batch_output", bad, batch["output_expires_after"])
         return output_id, error_id
+
+
+def _model(body: str) -> str | None:
+    """The model a line's body names (lines are grouped by it)."""
+    model = json.loads(body).get("model")
+    return model if isinstance(model, str) else None
 
 
 def _output_line(row: dict[str, Any]) -> str:
@@ -272,15 +276,16 @@ def _output_line(row: dict[str, Any]) -> str:
                        "error": error}, ensure_ascii=False)
 
 
-def add_usage(db, row: dict[str, Any]) -> None:
+def add_usage(db: Conn, row: dict[str, Any]) -> None:
     """Add a request's tokens to the (day, tenant, kind, model) counters."""
     db.execute(
         "insert into usage (day, tenant, kind, model, requests, prompt_tokens, "
         "completion_tokens, cached_tokens) values (:day, :tenant, :kind, :model, :requests, "
         ":prompt_tokens, :completion_tokens, :cached_tokens) on conflict (day, tenant, kind, "
-        "model) do update set requests = requests + excluded.requests, prompt_tokens = "
-        "prompt_tokens + excluded.prompt_tokens, completion_tokens = completion_tokens + "
-        "excluded.completion_tokens, cached_tokens = cached_tokens + excluded.cached_tokens",
+        "model) do update set requests = usage.requests + excluded.requests, prompt_tokens = "
+        "usage.prompt_tokens + excluded.prompt_tokens, completion_tokens = "
+        "usage.completion_tokens + excluded.completion_tokens, cached_tokens = "
+        "usage.cached_tokens + excluded.cached_tokens",
         row)
 
 

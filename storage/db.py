@@ -1,8 +1,13 @@
-"""The one SQLite database in $LOCALSERVE_HOME (sqlite-utils, WAL mode).
+"""The store: one SQLite file in $LOCALSERVE_HOME (the default), or a PostgreSQL database that
+several replicas share (`--store postgresql://...`, psycopg 3).
 
 All access goes through one worker thread (`Database.run`), so the event loop never waits on
-disk and no two writes interleave. Writes are short `BEGIN IMMEDIATE` transactions: what a
-caller is told was stored is on disk (synchronous=FULL) before it is told.
+the database and no two of this process's writes interleave. Writes are short transactions:
+SQLite's `BEGIN IMMEDIATE` (on disk, synchronous=FULL, before the caller is told), PostgreSQL's
+SERIALIZABLE. There another replica's transaction can make one fail; the whole function then
+runs again, so a function run through `run` / `call` holds at most one write transaction and
+reads after it only. A lost connection (PostgreSQL restarting) is opened again and the function
+retried for up to RECONNECT_SECONDS.
 """
 
 from __future__ import annotations
@@ -10,41 +15,55 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import logging
+import random
+import re
 import sqlite3
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
-import sqlite_utils
+from storage import schema
+from storage.sql import Conn, StoreError
 
 T = TypeVar("T")
+log = logging.getLogger("localserve.store")
 
-SCHEMA_VERSION = 5  # 2: batches.output_expires_after; 3: responses; 4: conversations and
-# stored chat completions; 5: Anthropic's message threads
-
-
-class DatabaseBusyError(Exception):
-    """Another server process holds this database."""
+RECONNECT_SECONDS = 120.0  # a PostgreSQL restart, a failover
+CONFLICT_RETRIES = 30
+SCHEMA_VERSION = schema.SCHEMA_VERSION
 
 
-class DatabaseCorruptError(Exception):
+class DatabaseBusyError(StoreError):
+    """Another server process holds this SQLite database."""
+
+
+class DatabaseCorruptError(StoreError):
     """The database file is not one SQLite can read."""
 
 
+def is_url(target: str | Path) -> bool:
+    return isinstance(target, str) and target.startswith(("postgresql://", "postgres://"))
+
+
+def redact(url: str) -> str:
+    """The URL without its password (for logs and errors)."""
+    return re.sub(r"://([^:/@]+):[^@]*@", r"://\1:***@", url)
+
+
 class Database:
-    def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.path = path
-        # One server per $LOCALSERVE_HOME: two would run the same batches twice.
-        self._lock = (path.parent / f"{path.name}.lock").open("a")
-        try:
-            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self._lock.close()
-            raise DatabaseBusyError(f"another localserve server is using {path.parent} "
-                                    "(stop it, or set LOCALSERVE_HOME)") from None
+    def __init__(self, target: str | Path, reconnect_seconds: float = RECONNECT_SECONDS
+                 ) -> None:
+        """`target`: the SQLite file's path, or a postgresql:// URL; `reconnect_seconds`: how
+        long PostgreSQL may be out of reach before a call fails."""
+        self.reconnect_seconds = reconnect_seconds
+        self.postgres = is_url(target)
+        self.url = str(target) if self.postgres else ""
+        self.path = None if self.postgres else Path(target)
+        self._lock = None if self.postgres else _lock_home(self.path)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="db")
         self._local = threading.local()
         try:
@@ -52,110 +71,144 @@ class Database:
         except sqlite3.DatabaseError as e:
             self.close()
             raise DatabaseCorruptError(
-                f"{path} is not a database SQLite can read ({e}): move it away to start with an "
-                "empty one (it holds the files, batches, stored responses and usage)") from None
+                f"{self.path} is not a database SQLite can read ({e}): move it away to start "
+                "with an empty one (it holds the files, batches, stored responses and usage)"
+            ) from None
+        except BaseException:
+            self.close()
+            raise
+
+    def describe(self) -> str:
+        return redact(self.url) if self.postgres else str(self.path)
 
     # -- running ---------------------------------------------------------------------------------
 
     @property
-    def db(self) -> sqlite_utils.Database:
+    def conn(self) -> Conn:
         """This thread's connection (only the worker thread uses one)."""
-        db = getattr(self._local, "db", None)
-        if db is None:
-            conn = sqlite3.connect(self.path, isolation_level=None, timeout=30)
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.execute("PRAGMA synchronous=FULL")
-            conn.execute("PRAGMA foreign_keys=ON")
-            db = self._local.db = sqlite_utils.Database(conn)
-        return db
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = self._local.conn = self._connect()
+        return conn
+
+    def _connect(self) -> Conn:
+        if self.postgres:
+            try:
+                import psycopg
+                from psycopg.rows import dict_row
+            except ImportError:
+                raise StoreError("a PostgreSQL store needs psycopg: pip install "
+                                 "'localserve[fleet]'") from None
+            try:
+                raw = psycopg.connect(self.url, autocommit=True, row_factory=dict_row,
+                                      connect_timeout=10)
+            except psycopg.OperationalError as e:
+                raise _Disconnected(_one_line(e)) from None
+            return Conn(raw, postgres=True)
+        raw = sqlite3.connect(self.path, isolation_level=None, timeout=30)
+        raw.execute("PRAGMA journal_mode=WAL")
+        raw.execute("PRAGMA synchronous=FULL")
+        raw.execute("PRAGMA foreign_keys=ON")
+        return Conn(raw, postgres=False)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """Run fn(*args) on the database thread, without blocking the event loop."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(
+            self._executor, self._retrying, fn, *args)
 
     def call(self, fn: Callable[..., T], *args: Any) -> T:
         """Run fn(*args) on the database thread and wait (for code outside the event loop)."""
-        return self._executor.submit(fn, *args).result()
+        return self._executor.submit(self._retrying, fn, *args).result()
+
+    def _retrying(self, fn: Callable[..., T], *args: Any) -> T:
+        if not self.postgres:
+            return fn(*args)
+        started, conflicts, wait = time.monotonic(), 0, 0.05
+        while True:
+            try:
+                return fn(*args)
+            except Exception as e:  # noqa: BLE001 - sorted below; the rest is raised
+                kind = _failure_kind(e)
+                if kind == "conflict" and conflicts < CONFLICT_RETRIES:
+                    conflicts += 1
+                    time.sleep(random.uniform(0, 0.002 * conflicts))
+                    continue
+                if kind != "disconnect":
+                    raise
+                self._drop()
+                if time.monotonic() - started > self.reconnect_seconds:
+                    raise StoreError(f"PostgreSQL at {self.describe()} is unreachable: "
+                                     f"{_one_line(e)}") from None
+                if wait == 0.05:  # the first failure of this call
+                    log.warning("store: %s; trying again for up to %.0f s", _one_line(e),
+                                self.reconnect_seconds)
+                time.sleep(wait)
+                wait = min(wait * 2, 2.0)
+
+    def _drop(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        self._local.conn = None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.raw.close()
 
     @contextlib.contextmanager
-    def transaction(self) -> Iterator[sqlite_utils.Database]:
-        """BEGIN IMMEDIATE ... COMMIT (ROLLBACK on error); only on the database thread."""
-        db = self.db
-        db.execute("BEGIN IMMEDIATE")
+    def transaction(self) -> Iterator[Conn]:
+        """A write transaction (ROLLBACK on error); only on the database thread."""
+        conn = self.conn
+        conn.execute("BEGIN ISOLATION LEVEL SERIALIZABLE" if self.postgres
+                     else "BEGIN IMMEDIATE")
         try:
-            yield db
+            yield conn
         except BaseException:
-            db.execute("ROLLBACK")
+            with contextlib.suppress(Exception):  # a broken connection has nothing to undo
+                conn.execute("ROLLBACK")
             raise
-        db.execute("COMMIT")
+        conn.execute("COMMIT")
 
     def close(self) -> None:
         """Close the connection and release the home (safe to call twice)."""
-        if self._lock.closed:
+        if self._executor is None:
             return
-
-        def _close() -> None:
-            db = getattr(self._local, "db", None)
-            if db is not None:
-                db.conn.close()
-                self._local.db = None
-
-        self._executor.submit(_close).result()
+        self._executor.submit(self._drop).result()
         self._executor.shutdown(wait=True)
-        self._lock.close()  # releases the flock
-
-    # -- schema ----------------------------------------------------------------------------------
+        self._executor = None
+        if self._lock is not None:
+            self._lock.close()  # releases the flock
 
     def _create(self) -> None:
         with self.transaction() as db:
-            db["files"].create({
-                "id": str, "tenant": str, "filename": str, "purpose": str, "bytes": int,
-                "created_at": int, "expires_at": int, "path": str,
-            }, pk="id", if_not_exists=True)
-            db["batches"].create({
-                "id": str, "tenant": str, "input_file_id": str, "endpoint": str,
-                "completion_window": str, "status": str, "model": str, "errors": str,
-                "metadata": str, "output_file_id": str, "error_file_id": str,
-                "created_at": int, "in_progress_at": int, "expires_at": int,
-                "finalizing_at": int, "completed_at": int, "failed_at": int, "expired_at": int,
-                "cancelling_at": int, "cancelled_at": int,
-                "total": int, "completed": int, "failed": int, "output_expires_after": int,
-            }, pk="id", if_not_exists=True, defaults={"total": 0, "completed": 0, "failed": 0})
-            if "output_expires_after" not in db["batches"].columns_dict:  # a version 1 home
-                db.execute("alter table batches add column output_expires_after integer")
-            # One row per input line. A line's result is written once (state leaves
-            # 'pending' in the same transaction that stores it): nothing runs twice into the
-            # output, whatever crashes.
-            db["batch_lines"].create({
-                "batch_id": str, "custom_id": str, "line": int, "body": str, "state": str,
-                "status_code": int, "response": str, "error": str, "request_id": str,
-                "prompt_tokens": int, "completion_tokens": int, "cached_tokens": int,
-            }, pk=("batch_id", "custom_id"), if_not_exists=True,
-                foreign_keys=[("batch_id", "batches", "id")])
-            db["batch_lines"].create_index(["batch_id", "state", "line"], if_not_exists=True)
-            db["idempotency"].create({
-                "tenant": str, "route": str, "key": str, "object_id": str, "created_at": int,
-            }, pk=("tenant", "route", "key"), if_not_exists=True)
-            db["usage"].create({
-                "day": str, "tenant": str, "kind": str, "model": str, "requests": int,
-                "prompt_tokens": int, "completion_tokens": int, "cached_tokens": int,
-            }, pk=("day", "tenant", "kind", "model"), if_not_exists=True)
-            db["responses"].create({
-                "id": str, "tenant": str, "created_at": int, "response": str,
-                "conversation": str,
-            }, pk="id", if_not_exists=True)
-            db["conversations"].create({
-                "id": str, "tenant": str, "created_at": int, "metadata": str, "items": str,
-            }, pk="id", if_not_exists=True)
-            db["chat_completions"].create({
-                "id": str, "tenant": str, "created_at": int, "model": str, "metadata": str,
-                "completion": str, "messages": str,
-            }, pk="id", if_not_exists=True)
-            db["chat_completions"].create_index(["tenant", "created_at"], if_not_exists=True)
-            if "parent" not in db["message_threads"].columns_dict:  # a development version's
-                db["message_threads"].drop(ignore=True)
-            db["message_threads"].create({
-                "id": str, "tenant": str, "created_at": int, "parent": str, "messages": str,
-                "fields": str, "continued_by": str,
-            }, pk="id", if_not_exists=True)
-            db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+            schema.create(db)
+
+
+class _Disconnected(Exception):
+    """Connecting failed (retried as a lost connection is)."""
+
+
+def _one_line(e: Exception) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def _failure_kind(e: Exception) -> str | None:
+    """'conflict' (another transaction won: run again), 'disconnect', or None."""
+    if isinstance(e, _Disconnected):
+        return "disconnect"
+    import psycopg
+    if getattr(e, "sqlstate", None) in ("40001", "40P01"):  # serialization, deadlock
+        return "conflict"
+    if isinstance(e, psycopg.OperationalError | psycopg.InterfaceError):
+        return "disconnect"
+    return None
+
+
+def _lock_home(path: Path):
+    """One server per SQLite file: two would run the same batches twice."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = (path.parent / f"{path.name}.lock").open("a")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        raise DatabaseBusyError(f"another localserve server is using {path.parent} "
+                                "(stop it, or set LOCALSERVE_HOME)") from None
+    return lock

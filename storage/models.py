@@ -183,11 +183,11 @@ class ModelStore:
         stale = [(d, d.name.rsplit("-", 1)[-1]) for d in self.models_dir.glob(f"{TMP_PREFIX}*")]
         stale += [(d, d.name.split("-")[1]) for d in self.cache_dir.glob(f"{SCRATCH_PREFIX}*-*")]
         for d, pid in stale:
-            if pid.isdigit() and not _pid_alive(int(pid)):
+            if pid.isdigit() and not pid_alive(int(pid)):
                 shutil.rmtree(d, ignore_errors=True)
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -39,19 +39,19 @@ class ThreadStore:
             messages: list[dict[str, Any]], fields: dict[str, Any] | None = None) -> None:
         """`message_id` continues `parent` (None: a new thread) with `messages`."""
         with self.db.transaction() as db:
-            db["message_threads"].insert({
+            db.insert("message_threads", {
                 "id": message_id, "tenant": tenant, "created_at": int(time.time()),
                 "parent": parent, "messages": json.dumps(messages, ensure_ascii=False),
                 "fields": json.dumps(fields or {}, ensure_ascii=False),
-                "continued_by": None}, replace=True)
+                "continued_by": None}, replace_on=("id",))
 
     def fields(self, tenant: str, message_id: str) -> dict[str, Any]:
         """The fields the thread keeps (system, tools); ThreadError where there is none."""
-        return json.loads(self._row(self.db.db, tenant, message_id)["fields"])
+        return json.loads(self._row(self.db.conn, tenant, message_id)["fields"])
 
     def conversation(self, tenant: str, message_id: str) -> list[dict[str, Any]]:
         """The whole conversation `message_id` ends; ThreadError where a part of it is gone."""
-        return self._conversation(self.db.db, tenant, message_id)
+        return self._conversation(self.db.conn, tenant, message_id)
 
     def claim(self, tenant: str, previous_id: str, message_id: str) -> list[dict[str, Any]]:
         """The conversation `previous_id` ends, now claimed by `message_id`; ThreadError where
@@ -59,8 +59,8 @@ class ThreadStore:
         with self.db.transaction() as db:
             row = self._row(db, tenant, previous_id)
             if row["continued_by"] is not None:
-                done = next(iter(db.query("select 1 from message_threads where id = ?",
-                                          [row["continued_by"]])), None)
+                done = db.one("select 1 as found from message_threads where id = ?",
+                              [row["continued_by"]])
                 raise ThreadError("thread_already_continued" if done else
                                   "thread_continue_in_flight")
             conversation = self._conversation(db, tenant, previous_id)
@@ -82,12 +82,12 @@ class ThreadStore:
                        [int(time.time()) - THREAD_DAYS * 86400])
             return db.execute(
                 "update message_threads set continued_by = null where continued_by is not null "
-                "and continued_by not in (select id from message_threads)").rowcount
+                "and continued_by not in (select id from message_threads)")
 
     @staticmethod
     def _row(db: Any, tenant: str, message_id: str) -> dict[str, Any]:
-        row = next(iter(db.query("select * from message_threads where id = ? and tenant = ?",
-                                 [message_id, tenant])), None)
+        row = db.one("select * from message_threads where id = ? and tenant = ?",
+                     [message_id, tenant])
         if row is None:
             raise ThreadError("thread_not_found")
         return row

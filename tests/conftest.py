@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import hf_model, pull_into, save_hf_folder
+from tests.postgres import PostgresServer, binaries
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -21,6 +22,32 @@ def native_cache(tmp_path_factory):
     if "LOCALSERVE_NATIVE_CACHE" not in os.environ:
         os.environ["LOCALSERVE_NATIVE_CACHE"] = str(tmp_path_factory.mktemp("native"))
     return Path(os.environ["LOCALSERVE_NATIVE_CACHE"])
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    """A real PostgreSQL server for the run (Debian's; .ci/run installs it). Skipped where
+    none is installed, failed in CI."""
+    bin_dir = binaries()
+    why = "PostgreSQL is not installed (Debian: apt-get install postgresql)" \
+        if bin_dir is None else None
+    try:
+        import psycopg  # noqa: F401
+    except ImportError:
+        why = "psycopg is not installed (pip install -e '.[test]')"
+    if why:
+        (pytest.fail if os.environ.get("CI") else pytest.skip)(why)
+    server = PostgresServer(bin_dir).start()
+    yield server
+    server.close()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store_target(request, tmp_path):
+    """Where a test's store lives: a SQLite file, or a new database on the PostgreSQL server."""
+    if request.param == "sqlite":
+        return tmp_path / "localserve.db"
+    return request.getfixturevalue("postgres").create_database()
 
 
 @pytest.fixture(scope="session")

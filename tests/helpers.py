@@ -182,8 +182,8 @@ def database_at_version(path: Path, version: int, *statements: str):
 
     def downgrade() -> None:
         for statement in statements:
-            db.db.execute(statement)
-        db.db.execute(f"pragma user_version={version}")
+            db.conn.execute(statement)
+        db.conn.execute(f"pragma user_version={version}")
     db.call(downgrade)
     db.close()
     return Database(path)

@@ -25,7 +25,7 @@ from server.models.tokenizer import REASONING_CHOICES, ReasoningFormat, reasonin
 from storage.batches import BatchStore, add_usage
 from storage.chat_completions import ChatCompletionStore
 from storage.conversations import ConversationStore
-from storage.db import Database
+from storage.db import Database, is_url
 from storage.files import FileStore
 from storage.models import home_dir
 from storage.responses import ResponseStore
@@ -53,6 +53,8 @@ class ServerSettings:
     dtype: str | None = None
     threads: int | None = None  # torch intra-op threads (default: torch's)
     home: Path | None = None  # default: $LOCALSERVE_HOME
+    # The store: None, the SQLite file in the home; a postgresql:// URL (a fleet's, shared)
+    store: str | None = None
     prices: Prices = field(default_factory=Prices)
     batch_window_seconds: int = 24 * 3600  # completion_window "24h"
     batch_max_running: int = 16  # batch lines in the engine at once
@@ -103,6 +105,8 @@ class ServerSettings:
         if self.generation_config not in GENERATION_CONFIGS:
             raise ConfigError("generation_config",
                               f"must be one of {', '.join(GENERATION_CONFIGS)}")
+        if self.store is not None and not is_url(self.store):
+            raise ConfigError("store", "must be a postgresql://USER@HOST:PORT/DATABASE URL")
         if any(not key.strip() for key in self.api_keys):
             raise ConfigError("api_keys", "must not be empty")
         for origin in self.cors_origins:  # what a browser sends: scheme://host[:port], no path
@@ -137,7 +141,7 @@ class ServerState:
         self.manifest: dict[str, Any] = {}  # the loaded model's (bits, architecture...)
         home = self.home = settings.home or home_dir()
         self._signing_key: bytes | None = None
-        self.db = Database(home / "localserve.db")
+        self.db = Database(settings.store or home / "localserve.db")
         self.files = FileStore(self.db, home / "files")
         self.batches = BatchStore(self.db, self.files)
         self.responses = ResponseStore(self.db)

@@ -322,29 +322,6 @@ def test_a_batch_of_two_models_answers_each_line_by_its_model(two_models):
         assert answered == {f"req-{i}": ("tiny:bf16", REAL)[i % 2] for i in range(6)}
 
 
-def test_pending_lines_go_by_model_loaded_first(tmp_path):
-    import json as json_lib
-
-    from storage.batches import BatchStore
-    from storage.db import Database
-    from storage.files import FileStore
-
-    db = Database(tmp_path / "localserve.db")
-    try:
-        store = BatchStore(db, FileStore(db, tmp_path / "files"))
-        models = ["b", "a", "b", "c", "a", "b"]
-        db.call(lambda: db.db["batches"].insert({"id": "batch_1", "tenant": "t", "status": "x"}))
-        db.call(lambda: db.db["batch_lines"].insert_all(
-            {"batch_id": "batch_1", "custom_id": f"l{i}", "line": i, "state": "pending",
-             "body": json_lib.dumps({"model": m})} for i, m in enumerate(models)))
-        order = [r["custom_id"] for r in db.call(store.pending, "batch_1", 10, set())]
-        assert order == ["l1", "l4", "l0", "l2", "l5", "l3"]  # a, then b, then c
-        order = [r["custom_id"] for r in db.call(store.pending, "batch_1", 10, {"l5"}, ("c",))]
-        assert order == ["l3", "l1", "l4", "l0", "l2"]  # the loaded model's lines first
-    finally:
-        db.close()
-
-
 @pytest.mark.real_model
 def test_serve_with_two_names_loads_both_and_keeps_them(two_models, tmp_path):
     root = tmp_path / "home"

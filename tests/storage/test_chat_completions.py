@@ -1,5 +1,5 @@
-"""ChatCompletionStore on a real SQLite file: oldest first, filtered by model and by every
-metadata pair asked, per tenant."""
+"""ChatCompletionStore on both stores (SQLite, PostgreSQL): oldest first, filtered by model and
+by every metadata pair asked, per tenant."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ def completion(n: int, model: str = "m") -> dict:
             "model": model, "choices": []}
 
 
-def test_list_filters_and_keeps_the_order_per_tenant(tmp_path):
-    db = Database(tmp_path / "localserve.db")
+def test_list_filters_and_keeps_the_order_per_tenant(store_target):
+    db = Database(store_target)
     try:
         store = ChatCompletionStore(db)
         messages = [{"role": "user", "content": "hi"}]

@@ -1,10 +1,10 @@
-"""ConversationStore on a real SQLite file: items in order, per tenant, and a version 3
-database (before conversations) gains the table."""
+"""ConversationStore on both stores (SQLite, PostgreSQL): items in order, per tenant; a version
+3 SQLite database (before conversations) gains the table."""
 
 from __future__ import annotations
 
 from storage.conversations import ConversationStore
-from storage.db import Database
+from storage.db import SCHEMA_VERSION, Database
 from tests.helpers import database_at_version
 
 
@@ -13,8 +13,8 @@ def item(n: int) -> dict:
             "content": [{"type": "input_text", "text": str(n)}]}
 
 
-def test_items_keep_their_order_per_tenant(tmp_path):
-    db = Database(tmp_path / "localserve.db")
+def test_items_keep_their_order_per_tenant(store_target):
+    db = Database(store_target)
     try:
         store = ConversationStore(db)
         conv = db.call(store.create, "alice", "conv_1", {"k": "v"}, [item(0)])
@@ -46,6 +46,7 @@ def test_a_version_3_database_gains_the_conversations_table(tmp_path):
         store = ConversationStore(db)
         db.call(store.create, "alice", "conv_1", {}, [])
         assert db.call(store.get, "alice", "conv_1")[1] == []
-        assert db.call(lambda: db.db.execute("pragma user_version").fetchone()[0]) == 5
+        version = db.call(lambda: db.conn.one("pragma user_version"))["user_version"]
+        assert version == SCHEMA_VERSION
     finally:
         db.close()

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 from typing import Any
+from urllib.parse import quote
 
 from starlette.datastructures import UploadFile
 from starlette.requests import Request
-from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from server.api.auth import tenant
 from server.api.errors import APIError, invalid
@@ -121,11 +122,22 @@ async def get_file(request: Request) -> Response:
 async def file_content(request: Request) -> Response:
     state: ServerState = request.app.state.server
     row = await _row(request)
-    path = state.files.path(row)
-    if not path.is_file():  # removed outside the server: say so, not a 500 naming the path
+    chunks = state.files.read(row)
+    if chunks is None:  # removed outside the server: say so, not a 500 naming the path
         raise APIError(404, f"The content of file {row['id']} is no longer on this server's "
                        "disk.", code="file_content_missing")
-    return FileResponse(path, media_type="application/octet-stream", filename=row["filename"])
+    return StreamingResponse(chunks, media_type="application/octet-stream", headers={
+        "content-length": str(row["bytes"]),
+        "content-disposition": content_disposition(row["filename"])})
+
+
+def content_disposition(filename: str) -> str:
+    """attachment with the file's name (RFC 6266: percent-encoded in filename* where it is
+    not plain ASCII), as Starlette's FileResponse writes it."""
+    quoted = quote(filename)
+    if quoted != filename:
+        return f"attachment; filename*=utf-8''{quoted}"
+    return f'attachment; filename="{filename}"'
 
 
 async def delete_file(request: Request) -> Response:

@@ -3,7 +3,7 @@ bounded number at a time, and finishes them (completed, cancelled, expired).
 
 Interactive requests come first: batch lines wait behind them in the scheduler and are the
 first preempted when memory runs short, so batch work fills what interactive traffic leaves.
-Everything durable is in SQLite (storage/batches.py); after a crash the worker simply picks up
+Everything durable is in the store (storage/batches.py); after a crash the worker simply picks up
 the active batches again: lines without a stored result run again, stored ones never do.
 """
 
@@ -23,6 +23,7 @@ from server.api.errors import APIError
 from server.api.state import ServerState
 from server.api.usage import today
 from storage.batches import MESSAGES
+from storage.files import split_lines
 
 log = logging.getLogger("localserve")
 
@@ -114,8 +115,7 @@ class BatchWorker:
             errors = [_error("missing_file", None, "The input file was deleted.")]
         else:
             try:
-                errors, lines = await asyncio.to_thread(self._check_lines, batch,
-                                                        state.files.path(file))
+                errors, lines = await asyncio.to_thread(self._check_lines, batch, file)
             except OSError as e:  # gone from disk or unreadable: the batch cannot run
                 errors = [_error("unreadable_file", None, "The input file could not be read "
                                  f"({e.strerror or e}).")]
@@ -129,29 +129,32 @@ class BatchWorker:
             return
         await state.db.run(self.store.start, batch["id"], state.served_name, lines)
 
-    def _check_lines(self, batch: dict[str, Any], path) -> tuple[list[dict], list]:
+    def _check_lines(self, batch: dict[str, Any], file: dict[str, Any]
+                     ) -> tuple[list[dict], list]:
         """Errors naming their line (1-based), or the lines [(number, custom_id, body)]."""
         s = self.state.settings
         errors: list[dict[str, Any]] = []
         lines: list[tuple[int, str, str]] = []
         seen: set[str] = set()
-        if path.stat().st_size > s.max_file_bytes:
+        if file["bytes"] > s.max_file_bytes:
             return [_error("file_too_large", None, f"The input file is larger than "
                            f"{s.max_file_bytes} bytes.")], []
-        with path.open("rb") as f:
-            for number, raw in enumerate(f, start=1):
-                if not raw.strip():
-                    continue
-                if len(lines) >= s.max_batch_lines:
-                    return [_error("too_many_requests", number, f"The input file has more "
-                                   f"than {s.max_batch_lines} requests.")], []
-                problem = self._check_line(batch, raw, seen)
-                if isinstance(problem, dict):
-                    errors.append(problem | {"line": number})
-                    if len(errors) >= MAX_ERRORS:
-                        break
-                else:
-                    lines.append((number, *problem))
+        chunks = self.state.files.read(file)
+        if chunks is None:
+            raise FileNotFoundError(f"the bytes of {file['id']} are gone")
+        for number, raw in enumerate(split_lines(chunks), start=1):
+            if not raw.strip():
+                continue
+            if len(lines) >= s.max_batch_lines:
+                return [_error("too_many_requests", number, f"The input file has more "
+                               f"than {s.max_batch_lines} requests.")], []
+            problem = self._check_line(batch, raw, seen)
+            if isinstance(problem, dict):
+                errors.append(problem | {"line": number})
+                if len(errors) >= MAX_ERRORS:
+                    break
+            else:
+                lines.append((number, *problem))
         if not lines and not errors:
             errors.append(_error("empty_file", None, "The input file has no requests."))
         return errors, lines

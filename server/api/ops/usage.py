@@ -56,5 +56,5 @@ def _query(db, tenant: str, start: str | None, end: str | None) -> list[dict[str
     if end:
         where.append("day <= ?")
         args.append(end)
-    return list(db.db.query(f"select * from usage where {' and '.join(where)} order by day, "
-                            "kind, model", args))
+    return db.conn.query(f"select * from usage where {' and '.join(where)} order by day, "
+                         "kind, model", args)

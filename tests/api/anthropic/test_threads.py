@@ -19,8 +19,8 @@ WEATHER = {"name": "get_weather", "description": "The weather in a city.",
                             "required": ["city"]}}  # bounded: the random model's call ends
 
 
-def test_a_message_is_continued_once(tmp_path):
-    db = Database(tmp_path / "localserve.db")
+def test_a_message_is_continued_once(store_target):
+    db = Database(store_target)
     store = ThreadStore(db)
     try:
         turn = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]
@@ -39,21 +39,21 @@ def test_a_message_is_continued_once(tmp_path):
         assert db.call(store.claim, "alice", "msg_3", "msg_5") == turn + more
         assert db.call(store.release_unfinished) == 1  # msg_5 never came (a crash)
         assert db.call(store.claim, "alice", "msg_3", "msg_6") == turn + more
-        rows = db.call(lambda: [json.loads(r["messages"]) for r in db.db.query(
+        rows = db.call(lambda: [json.loads(r["messages"]) for r in db.conn.query(
             "select messages from message_threads order by id")])
         assert rows == [turn, more]  # each turn's part once, not the conversation again
     finally:
         db.close()
 
 
-def test_old_messages_go_and_their_threads_are_not_found(tmp_path):
-    db = Database(tmp_path / "localserve.db")
+def test_old_messages_go_and_their_threads_are_not_found(store_target):
+    db = Database(store_target)
     store = ThreadStore(db)
     try:
         db.call(store.put, "alice", "msg_1", None, [{"role": "user", "content": "Hi"}])
         db.call(store.put, "alice", "msg_2", "msg_1", [{"role": "user", "content": "And?"}])
         old = int(time.time()) - (THREAD_DAYS + 1) * 86400
-        db.call(lambda: db.db.execute("update message_threads set created_at = ? where id = ?",
+        db.call(lambda: db.conn.execute("update message_threads set created_at = ? where id = ?",
                                       [old, "msg_1"]))
         db.call(store.release_unfinished)
         with pytest.raises(ThreadError, match="thread_not_found"):  # its first part is gone
