@@ -113,7 +113,7 @@ class FileStore:
         if not self.in_store:
             path = self.root / row["path"]
             return _read_path(path) if path.is_file() else None
-        return _read_chunks(self.db, row["id"])
+        return _read_chunks(self.db, row["id"], row["bytes"])
 
     def list(self, tenant: str, purpose: str | None, after: str | None, limit: int,
              order: str) -> tuple[list[dict[str, Any]], bool]:
@@ -220,16 +220,23 @@ def _read_path(path: Path) -> Iterator[bytes]:
         yield from iter(lambda: f.read(CHUNK), b"")
 
 
-def _read_chunks(db: Database, file_id: str) -> Iterator[bytes]:
+def _read_chunks(db: Database, file_id: str, size: int) -> Iterator[bytes] | None:
     def chunk(n: int) -> bytes | None:
         row = db.conn.one("select data from file_chunks where file_id = ? and n = ?",
                           [file_id, n])
         return None if row is None else bytes(row["data"])
 
-    n = 0
-    while (data := db.call(chunk, n)) is not None:
-        yield data
-        n += 1
+    def rest(first: bytes) -> Iterator[bytes]:
+        yield first
+        n = 1
+        while (data := db.call(chunk, n)) is not None:
+            yield data
+            n += 1
+
+    first = db.call(chunk, 0)
+    if first is None:  # deleted outside the server (an empty file has no chunks either)
+        return None if size else iter(())
+    return rest(first)
 
 
 def idempotent_hit(db: Conn, tenant: str, route: str, key: str) -> str | None:

@@ -15,13 +15,30 @@ OTHER_KEY = "sk-other-tenant"
 MODEL = "tiny:bf16"
 
 
+def pytest_generate_tests(metafunc):
+    """A module of what the store keeps sets `BOTH_STORES = True`: its tests of the shared
+    server run twice, on SQLite and on PostgreSQL."""
+    if getattr(metafunc.module, "BOTH_STORES", False) and "server" in metafunc.fixturenames:
+        metafunc.parametrize("store_kind", ["sqlite", "postgresql"], indirect=True,
+                             scope="session")
+
+
 @pytest.fixture(scope="session")
-def server(tiny_home, tmp_path_factory):
+def store_kind(request) -> str:
+    """The shared server's store: SQLite, unless the module asks for both (BOTH_STORES)."""
+    return getattr(request, "param", "sqlite")
+
+
+@pytest.fixture(scope="session")
+def server(tiny_home, tmp_path_factory, store_kind, request):
     """The shared server: two API keys (tenants), 1 MB body limit."""
-    root = tmp_path_factory.mktemp("shared-server")
+    store = request.getfixturevalue("postgres").create_database() \
+        if store_kind == "postgresql" else None
+    root = tmp_path_factory.mktemp(f"shared-server-{store_kind}")
     proc = ServerProcess(home_with_models(tiny_home, root / "home"),
                          [MODEL, "--api-key", API_KEY, "--api-key", OTHER_KEY, "--kv-cache-mb",
-                          "64", "--max-body-mb", "1"], root / "server.log", API_KEY).start()
+                          "64", "--max-body-mb", "1"], root / "server.log", API_KEY,
+                         store).start()
     yield proc
     proc.stop()
 

@@ -21,8 +21,11 @@ def home_with_models(models_home: Path, home: Path) -> Path:
 
 
 class ServerProcess:
-    def __init__(self, home: Path, args: list[str], log: Path, api_key: str | None = None):
+    def __init__(self, home: Path, args: list[str], log: Path, api_key: str | None = None,
+                 store: str | None = None):
+        """`store`: a postgresql:// URL (--store), or None for the home's SQLite file."""
         self.home, self.args, self.log, self.api_key = home, args, log, api_key
+        self.store = store
         self.proc: subprocess.Popen | None = None
         self.port = 0
         self.health_seen: list[int] = []  # /health status codes while starting
@@ -39,7 +42,8 @@ class ServerProcess:
         env = dict(os.environ, LOCALSERVE_HOME=str(self.home), HF_HUB_OFFLINE="1",
                    PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "cli.main", "serve", *self.args, "--port", "0"],
+            [sys.executable, "-m", "cli.main", "serve", *self.args, "--port", "0",
+             *(["--store", self.store] if self.store else [])],
             stdout=subprocess.DEVNULL, stderr=self.log.open("w"), env=env,
             cwd=Path(__file__).resolve().parents[2])
         deadline = time.monotonic() + timeout
@@ -81,6 +85,24 @@ class ServerProcess:
                 name = re.sub(r'model_name="[^"]*",?', "", name).replace("{}", "")
                 out[name] = float(value)
         return out
+
+    def sql(self, statement: str, args: list | tuple = ()) -> list[dict]:
+        """Run one statement on the server's store from outside, as another process would
+        (committed at once): what time or a person would change there."""
+        import sqlite3
+
+        from storage.sql import Conn
+        if self.store:
+            import psycopg
+            from psycopg.rows import dict_row
+            raw = psycopg.connect(self.store, autocommit=True, row_factory=dict_row)
+        else:
+            raw = sqlite3.connect(self.home / "localserve.db", timeout=30,
+                                  isolation_level=None)
+        try:
+            return Conn(raw, postgres=bool(self.store)).query(statement, args)
+        finally:
+            raw.close()
 
     def signal(self, sig: int = signal.SIGTERM) -> None:
         assert self.proc is not None

@@ -124,8 +124,8 @@ async def file_content(request: Request) -> Response:
     row = await _row(request)
     chunks = state.files.read(row)
     if chunks is None:  # removed outside the server: say so, not a 500 naming the path
-        raise APIError(404, f"The content of file {row['id']} is no longer on this server's "
-                       "disk.", code="file_content_missing")
+        raise APIError(404, f"The content of file {row['id']} is no longer stored.",
+                       code="file_content_missing")
     return StreamingResponse(chunks, media_type="application/octet-stream", headers={
         "content-length": str(row["bytes"]),
         "content-disposition": content_disposition(row["filename"])})

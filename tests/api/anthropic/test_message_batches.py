@@ -17,6 +17,8 @@ from tests.api.batch.test_batches import chat_line, submit
 from tests.api.conftest import API_KEY, MODEL, OTHER_KEY
 from tests.api.server import ServerProcess, home_with_models
 
+BOTH_STORES = True  # tests of the shared server run on SQLite and on PostgreSQL
+
 # Answers the grammar keeps long: a JSON string of 2,000 to 2,100 characters (no end of text
 # before it; closed well within 3,000 tokens), so a batch of them is still running when the test
 # cancels it.
@@ -211,8 +213,6 @@ def test_expiry_keeps_finished_results_and_expires_the_rest(tiny_home, tmp_path)
     """The 4 short requests run first (4 at a time, in order); once they are done the batch's
     deadline is moved into the past in the server's own database, as time would move it: the
     long answers, running or waiting, are `expired`."""
-    import sqlite3
-
     server = ServerProcess(home_with_models(tiny_home, tmp_path / "home"),
                            [MODEL, "--batch-window", "3600", "--batch-max-running", "4"],
                            tmp_path / "server.log").start()
@@ -226,11 +226,8 @@ def test_expiry_keeps_finished_results_and_expires_the_rest(tiny_home, tmp_path)
         while client.messages.batches.retrieve(b.id).request_counts.succeeded < 4:
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        db = sqlite3.connect(server.home / "localserve.db", timeout=30)
-        with db:
-            db.execute("update batches set expires_at = ? where id = ?",
-                       (int(time.time()) - 1, b.id))
-        db.close()
+        server.sql("update batches set expires_at = ? where id = ?",
+                   [int(time.time()) - 1, b.id])
         b = wait_ended(client, b.id, timeout=60)
         assert b.request_counts.to_dict() == {"canceled": 0, "errored": 0, "expired": 8,
                                               "processing": 0, "succeeded": 4}

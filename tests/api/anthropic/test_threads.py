@@ -4,7 +4,6 @@ and the SDK's own tool runner (which threads by default) looping against the ser
 from __future__ import annotations
 
 import json
-import sqlite3
 import time
 
 import httpx
@@ -13,6 +12,8 @@ import pytest
 from storage.db import Database
 from storage.threads import THREAD_DAYS, ThreadError, ThreadStore
 from tests.api.conftest import API_KEY, MODEL
+
+BOTH_STORES = True  # tests of the shared server run on SQLite and on PostgreSQL
 
 WEATHER = {"name": "get_weather", "description": "The weather in a city.",
            "input_schema": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}},
@@ -119,6 +120,6 @@ def test_the_sdk_tool_runner_loops_on_a_thread(server):
         replies = list(runner)
     assert len(replies) == 3 and len(calls) == 3  # each turn called the tool (it must)
     assert all(r.content[-1].type == "tool_use" for r in replies)
-    with sqlite3.connect(server.home / "localserve.db") as db:  # the turns went on a thread
-        chain = dict(db.execute("select id, continued_by from message_threads"))
+    rows = server.sql("select id, continued_by from message_threads")  # the turns' thread
+    chain = {r["id"]: r["continued_by"] for r in rows}
     assert chain[replies[0].id] == replies[1].id and chain[replies[1].id] == replies[2].id

@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import sqlite3
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ import pytest
 from tests.api.conftest import API_KEY, MODEL, OTHER_KEY
 from tests.api.server import own_server
 
+BOTH_STORES = True  # tests of the shared server run on SQLite and on PostgreSQL
 FINAL = ("completed", "failed", "expired", "cancelled")
 
 
@@ -266,7 +266,10 @@ def test_files_routes(client):
 
 def test_an_input_file_gone_from_disk_fails_its_batch_and_the_queue_goes_on(client, server):
     f = client.files.create(file=("gone.jsonl", jsonl([chat_line(0)])), purpose="batch")
-    (server.home / "files" / f.id).unlink()  # lost outside the server (disk, a person)
+    if server.store:  # lost outside the server (a disk, a person)
+        server.sql("delete from file_chunks where file_id = ?", [f.id])
+    else:
+        (server.home / "files" / f.id).unlink()
     with pytest.raises(openai.NotFoundError) as e:
         client.files.content(f.id)
     assert "no longer" in e.value.body["message"]
@@ -332,10 +335,8 @@ def test_expiry_returns_finished_lines_and_expires_the_rest(window_server):
         assert b.status in ("validating", "in_progress"), b
         assert time.monotonic() < deadline, b
         time.sleep(0.05)
-    db = sqlite3.connect(window_server.home / "localserve.db", timeout=30)
-    with db:  # one committed transaction, as the server's own writes are
-        db.execute("update batches set expires_at = ? where id = ?", (int(time.time()) - 1, b.id))
-    db.close()
+    window_server.sql("update batches set expires_at = ? where id = ?",
+                      [int(time.time()) - 1, b.id])
     b = wait(client, b.id, timeout=60)
     assert b.status == "expired" and b.expired_at
     done, failed = read_lines(client, b.output_file_id), read_lines(client, b.error_file_id)

@@ -18,6 +18,8 @@ import pytest
 from tests.api.conftest import MODEL, OTHER_KEY
 from tests.api.server import ServerProcess, home_with_models
 
+BOTH_STORES = True  # tests of the shared server run on SQLite and on PostgreSQL
+
 GREEDY = {"temperature": 0.0}
 ENDLESS = {"max_output_tokens": 3000, "text": {"format": {
     "type": "json_schema", "name": "endless", "schema": {"type": "string", "minLength": 5000}}}}

@@ -12,6 +12,8 @@ import pytest
 
 from tests.api.conftest import MODEL, OTHER_KEY
 
+BOTH_STORES = True  # tests of the shared server run on SQLite and on PostgreSQL
+
 GREEDY = {"temperature": 0.0, "max_output_tokens": 8}
 
 

@@ -13,6 +13,8 @@ import pytest
 
 from tests.api.conftest import API_KEY, MODEL, OTHER_KEY
 
+BOTH_STORES = True  # tests of the shared server run on SQLite and on PostgreSQL
+
 GREEDY = {"temperature": 0.0}
 ANSWER = {"type": "object", "properties": {
     "ok": {"type": "boolean"}, "word": {"type": "string", "maxLength": 12}},

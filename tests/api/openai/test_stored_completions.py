@@ -12,6 +12,8 @@ import pytest
 
 from tests.api.conftest import MODEL, OTHER_KEY
 
+BOTH_STORES = True  # tests of the shared server run on SQLite and on PostgreSQL
+
 ADD = {"type": "function", "function": {
     "name": "add", "parameters": {"type": "object", "properties": {
         "a": {"type": "integer", "minimum": 0, "maximum": 9},
