@@ -127,6 +127,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    metavar="URL", help="a PostgreSQL database the replicas of a fleet share "
                    "(postgresql://USER@HOST:PORT/DATABASE; default $LOCALSERVE_STORE, else "
                    "the SQLite file in the home; docs/fleet.md)")
+    p.add_argument("--stale-seconds", type=float, default=30.0, metavar="SECONDS",
+                   help="a replica of a fleet silent this long is gone: the others take its "
+                   "batch lines and fail its background responses (default 30)")
     p.set_defaults(func=run)
 
 
@@ -157,6 +160,7 @@ FLAGS = {
     "memory_limit": ("--memory-limit", "memory_limit"),
     "routes": ("--route", None),
     "store": ("--store", None),
+    "stale_seconds": ("--stale-seconds", "stale_seconds"),
 }
 
 
@@ -193,6 +197,7 @@ def run(args: argparse.Namespace) -> int:
                 idle_release_seconds=args.idle_release_seconds or None,
                 idle_cache_bytes=args.idle_cache_mb << 20, recache_replies_after=0.5),
             device=args.device, dtype=args.dtype, threads=args.threads, store=args.store,
+            stale_seconds=args.stale_seconds,
             prices=Prices(args.price_input, args.price_output, args.batch_discount),
             batch_window_seconds=args.batch_window,
             batch_max_running=args.batch_max_running, grammar_timeout=args.grammar_timeout,

@@ -4,6 +4,9 @@ A line is 'pending' until its result is stored; storing it moves it to 'done' (2
 (an error answer) or 'cancelled' / 'expired' in the same transaction that counts it, and only
 if it was still pending. So a line that ran twice (a crash between running and storing) is
 stored once, and the output file, written from these rows, has every custom_id exactly once.
+Replicas sharing the store claim lines before running them (`claim`): a claim only keeps the
+others from running the line too while its replica lives; the pending guard is what makes a
+result count once.
 Every method runs on the database thread.
 """
 
@@ -16,6 +19,7 @@ from typing import Any
 
 from storage.db import Database
 from storage.files import FileStore, idempotent_hit, remember
+from storage.replicas import ReplicaStore
 from storage.sql import Conn
 
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
@@ -155,17 +159,29 @@ class BatchStore:
 
     # -- lines -----------------------------------------------------------------------------------
 
-    def pending(self, batch_id: str, limit: int, skip: set[str],
-                loaded: tuple[str, ...] = ()) -> list[dict[str, Any]]:
-        """Pending lines, leaving out those already running (`skip`): those naming a `loaded`
-        model first, then grouped by the model they name, each group in input order (so a
-        batch of several models loads each once, not at every other line)."""
+    def claim(self, batch_id: str, replica: ReplicaStore, limit: int, skip: set[str],
+              loaded: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+        """Up to `limit` pending lines no live replica holds, now held by this one, leaving out
+        those it runs already (`skip`): those naming a `loaded` model first, then grouped by
+        the model they name, each group in input order (so a batch of several models loads
+        each once, not at every other line). On PostgreSQL the rows another replica is
+        claiming at the moment are skipped, not waited for (FOR UPDATE SKIP LOCKED)."""
         first = f"case when model in ({', '.join('?' * len(loaded))}) then 0 else 1 end, " \
             if loaded else ""
-        rows = self.db.conn.query(f"select custom_id, line, body from batch_lines where "
-                                  f"batch_id = ? and state = 'pending' order by {first}model, "
-                                  "line limit ?", [batch_id, *loaded, limit + len(skip)])
-        return [r for r in rows if r["custom_id"] not in skip][:limit]
+        lock = " for update skip locked" if self.db.postgres else ""
+        with self.db.transaction(serializable=False) as db:
+            rows = db.query(
+                "select custom_id, line, body from batch_lines where batch_id = ? and state = "
+                "'pending' and (claimed_by is null or claimed_by = ? or claimed_by not in "
+                f"(select id from replicas where heartbeat_at >= ?)) order by {first}model, "
+                f"line limit ?{lock}", [batch_id, replica.id, replica.live_after(), *loaded,
+                                        limit + len(skip)])
+            rows = [r for r in rows if r["custom_id"] not in skip][:limit]
+            now = int(time.time())
+            db.executemany("update batch_lines set claimed_by = ?, claimed_at = ? where "
+                           "batch_id = ? and custom_id = ?",
+                           [(replica.id, now, batch_id, r["custom_id"]) for r in rows])
+        return rows
 
     def line_counts(self, batch_id: str) -> dict[str, int]:
         """Lines by state: pending, done, failed, cancelled, expired."""
@@ -183,18 +199,22 @@ class BatchStore:
                                 "state = 'pending'", [batch_id])["n"]
 
     def record(self, batch_id: str, custom_id: str, request_id: str, status_code: int,
-               body: dict[str, Any], usage_row: dict[str, Any] | None) -> bool:
-        """Store one line's answer, once; returns False if it was already stored."""
+               body: dict[str, Any], usage_row: dict[str, Any] | None,
+               replica_id: str | None = None) -> bool:
+        """Store one line's answer, once (claimed_by then names the replica that ran it);
+        returns False if it was already stored."""
         state = "done" if status_code < 300 else "failed"
         prompt, completion, cached = _token_counts(body.get("usage") if status_code < 300
                                                    else None)
-        with self.db.transaction() as db:
+        # READ COMMITTED: the line's update is conditional on 'pending', the counters add
+        with self.db.transaction(serializable=False) as db:
             changed = db.execute(
                 "update batch_lines set state = ?, status_code = ?, response = ?, "
-                "request_id = ?, prompt_tokens = ?, completion_tokens = ?, cached_tokens = ? "
-                "where batch_id = ? and custom_id = ? and state = 'pending'",
+                "request_id = ?, prompt_tokens = ?, completion_tokens = ?, cached_tokens = ?, "
+                "claimed_by = coalesce(?, claimed_by) where batch_id = ? and custom_id = ? and "
+                "state = 'pending'",
                 [state, status_code, json.dumps(body, ensure_ascii=False), request_id,
-                 prompt, completion, cached, batch_id, custom_id])
+                 prompt, completion, cached, replica_id, batch_id, custom_id])
             if changed != 1:
                 return False
             column = "completed" if state == "done" else "failed"

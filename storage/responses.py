@@ -1,6 +1,7 @@
 """Stored responses of the Responses API (`store`, default true): the response object as it was
 answered, and the conversation it ends (its input and output as chat messages), which a later
-request continues with `previous_response_id`. Per tenant, like files and batches.
+request continues with `previous_response_id`. Per tenant, like files and batches. A background
+response names the replica generating it (storage/replicas.py fails it if that one dies).
 
 Every method runs on the database thread (call it through Database.run / Database.call).
 """
@@ -15,8 +16,9 @@ from storage.db import Database
 
 
 class ResponseStore:
-    def __init__(self, db: Database) -> None:
+    def __init__(self, db: Database, replica_id: str | None = None) -> None:
         self.db = db
+        self.replica_id = replica_id  # the replica generating the background responses put
 
     def put(self, tenant: str, response: dict[str, Any], conversation: list[dict[str, Any]]
             ) -> None:
@@ -25,7 +27,8 @@ class ResponseStore:
                 "id": response["id"], "tenant": tenant, "created_at": int(time.time()),
                 "response": json.dumps(response, ensure_ascii=False),
                 "conversation": json.dumps(conversation, ensure_ascii=False),
-                "status": response.get("status")}, replace_on=("id",))
+                "status": response.get("status"), "replica": self.replica_id},
+                replace_on=("id",))
 
     def get(self, tenant: str, response_id: str
             ) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
@@ -41,16 +44,3 @@ class ResponseStore:
         with self.db.transaction() as db:
             return db.execute("delete from responses where id = ? and tenant = ?",
                               [response_id, tenant]) > 0
-
-    def fail_unfinished(self, error: dict[str, str]) -> int:
-        """Store every queued or in-progress (background) response failed with `error`; at
-        start, since none can still be running. Returns how many."""
-        with self.db.transaction() as db:
-            rows = db.query("select id, tenant, response from responses where status in "
-                            "('queued', 'in_progress')")
-            for row in rows:
-                response = json.loads(row["response"]) | {"status": "failed", "error": error}
-                db.execute("update responses set response = ?, status = 'failed' where id = ? "
-                           "and tenant = ?", [json.dumps(response, ensure_ascii=False),
-                                              row["id"], row["tenant"]])
-        return len(rows)

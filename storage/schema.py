@@ -2,8 +2,10 @@
 SQLite homes (PostgreSQL stores start at the current version).
 
 Version history: 2 batches.output_expires_after; 3 responses; 4 conversations and stored chat
-completions; 5 Anthropic's message threads; 6 PostgreSQL: batch_lines.model and
-responses.status as columns (no JSON functions in queries), file bytes in file_chunks there.
+completions; 5 Anthropic's message threads; 6 replicas sharing a PostgreSQL store: the
+replicas and their heartbeats, batch lines claimed by one, the replica running a background
+response, batch_lines.model and responses.status as columns (no JSON functions in queries),
+file bytes in file_chunks on PostgreSQL.
 """
 
 from __future__ import annotations
@@ -28,21 +30,24 @@ TABLES = {
     "batch_lines": "batch_id text references batches (id), custom_id text, line bigint, "
                    "body text, model text, state text, status_code bigint, response text, "
                    "error text, request_id text, prompt_tokens bigint, "
-                   "completion_tokens bigint, cached_tokens bigint, "
-                   "primary key (batch_id, custom_id)",
+                   "completion_tokens bigint, cached_tokens bigint, claimed_by text, "
+                   "claimed_at bigint, primary key (batch_id, custom_id)",
     "idempotency": "tenant text, route text, key text, object_id text, created_at bigint, "
                    "primary key (tenant, route, key)",
     "usage": "day text, tenant text, kind text, model text, requests bigint, "
              "prompt_tokens bigint, completion_tokens bigint, cached_tokens bigint, "
              "primary key (day, tenant, kind, model)",
     "responses": "id text primary key, tenant text, created_at bigint, response text, "
-                 "conversation text, status text",
+                 "conversation text, status text, replica text",
     "conversations": "id text primary key, tenant text, created_at bigint, metadata text, "
                      "items text",
     "chat_completions": "id text primary key, tenant text, created_at bigint, model text, "
                         "metadata text, completion text, messages text",
     "message_threads": "id text primary key, tenant text, created_at bigint, parent text, "
                        "messages text, fields text, continued_by text",
+    # The servers sharing this store (one for a SQLite file): a replica whose heartbeat is
+    # older than the stale window is gone, and what it had claimed is free again
+    "replicas": "id text primary key, started_at bigint, heartbeat_at bigint",
 }
 # Listed in creation order (`order by rowid`): PostgreSQL gets a rowid column for them
 ORDERED = ("files", "batches", "chat_completions")
@@ -104,7 +109,12 @@ def _migrate_sqlite(db: Conn) -> None:
     if lines and "model" not in lines:
         db.execute("alter table batch_lines add column model text")
         db.execute("update batch_lines set model = json_extract(body, '$.model')")
+    if lines and "claimed_by" not in lines:
+        db.execute("alter table batch_lines add column claimed_by text")
+        db.execute("alter table batch_lines add column claimed_at bigint")
     responses = _columns(db, "responses")
     if responses and "status" not in responses:
         db.execute("alter table responses add column status text")
         db.execute("update responses set status = json_extract(response, '$.status')")
+    if responses and "replica" not in responses:
+        db.execute("alter table responses add column replica text")

@@ -15,7 +15,7 @@ from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from server.api import anthropic, batch, ollama, openai, ops, rerank
+from server.api import anthropic, batch, fleet, ollama, openai, ops, rerank
 from server.api.auth import AuthMiddleware
 from server.api.batch.worker import BatchWorker
 from server.api.errors import (
@@ -24,6 +24,7 @@ from server.api.errors import (
     http_error_handler,
     unexpected_error_handler,
 )
+from server.api.fleet import ReplicaHeader
 from server.api.openai import background
 from server.api.ops import dashboard
 from server.api.state import ServerSettings, ServerState
@@ -122,9 +123,9 @@ def create_app(settings: ServerSettings, state: ServerState | None = None) -> St
             state.worker = BatchWorker(state)  # resumes batches left unfinished
             state.worker.start()
 
-        # left unfinished by a crash: nothing generates them any more
-        await state.db.run(state.responses.fail_unfinished, background.SHUTDOWN)
+        await fleet.join(state)  # what a crash left unfinished: nothing generates it now
         await state.db.run(state.threads.release_unfinished)
+        beats = asyncio.create_task(fleet.heartbeat(state))
         task = asyncio.create_task(load())
         sampler = asyncio.create_task(dashboard.sample_throughput(state))
         reaper = asyncio.create_task(state.held.run_reaper())
@@ -136,6 +137,8 @@ def create_app(settings: ServerSettings, state: ServerState | None = None) -> St
         await background.stop_all(state)  # stored failed: they cannot finish now
         if state.worker is not None:
             await state.worker.stop()
+        beats.cancel()
+        await fleet.leave(state)
         await state.flush_usage()
         await state.held.close()
         if state.engine is not None:
@@ -147,7 +150,8 @@ def create_app(settings: ServerSettings, state: ServerState | None = None) -> St
                 *batch.ROUTES],
         # CORS outermost: a browser's preflight carries no key, and errors (401 included)
         # need the headers too, or the page cannot read them.
-        middleware=[Middleware(CORSMiddleware, allow_origins=list(settings.cors_origins),
+        middleware=[Middleware(ReplicaHeader, replica_id=state.replica.id),
+                    Middleware(CORSMiddleware, allow_origins=list(settings.cors_origins),
                                allow_origin_regex=LOCAL_ORIGINS, allow_methods=["*"],
                                allow_headers=["*"]),
                     Middleware(AuthMiddleware, api_keys=settings.api_keys),

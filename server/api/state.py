@@ -28,6 +28,7 @@ from storage.conversations import ConversationStore
 from storage.db import Database, is_url
 from storage.files import FileStore
 from storage.models import home_dir
+from storage.replicas import STALE_SECONDS, ReplicaStore, new_replica_id
 from storage.responses import ResponseStore
 from storage.threads import ThreadStore
 
@@ -55,6 +56,7 @@ class ServerSettings:
     home: Path | None = None  # default: $LOCALSERVE_HOME
     # The store: None, the SQLite file in the home; a postgresql:// URL (a fleet's, shared)
     store: str | None = None
+    stale_seconds: float = STALE_SECONDS  # a replica silent this long is gone (fleet.py)
     prices: Prices = field(default_factory=Prices)
     batch_window_seconds: int = 24 * 3600  # completion_window "24h"
     batch_max_running: int = 16  # batch lines in the engine at once
@@ -90,6 +92,7 @@ class ServerSettings:
                  "batch_max_running", "max_file_bytes", "max_batch_lines")
         at_least(self, 0, "drain_timeout")
         at_least(self, 0.001, "grammar_timeout")
+        at_least(self, 1, "stale_seconds")
         at_least(self, 0, "max_reasoning_tokens", "keep_alive")
         at_least(self, 1, "memory_limit")
         for name, route in self.routes.items():
@@ -144,7 +147,8 @@ class ServerState:
         self.db = Database(settings.store or home / "localserve.db")
         self.files = FileStore(self.db, home / "files")
         self.batches = BatchStore(self.db, self.files)
-        self.responses = ResponseStore(self.db)
+        self.replica = ReplicaStore(self.db, new_replica_id(), settings.stale_seconds)
+        self.responses = ResponseStore(self.db, self.replica.id)
         self.conversations = ConversationStore(self.db)
         self.chat_completions = ChatCompletionStore(self.db)
         self.threads = ThreadStore(self.db)

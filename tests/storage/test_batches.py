@@ -1,5 +1,6 @@
-"""BatchStore on both stores (SQLite, PostgreSQL): lines grouped by model, each result stored
-once with its usage, the output written from the stored lines when the batch ends."""
+"""BatchStore and ReplicaStore on both stores (SQLite, PostgreSQL): lines grouped by model and
+claimed by one live replica at a time, each result stored once with its usage, the output
+written from the stored lines when the batch ends; what a gone replica held, taken over."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 from storage.batches import BatchStore
 from storage.db import Database
 from storage.files import FileStore
+from storage.replicas import ReplicaStore
 from storage.responses import ResponseStore
 from tests.helpers import database_at_version
 
@@ -33,12 +35,60 @@ def started(store: BatchStore, models: list[str]) -> str:
     return batch["id"]
 
 
-def test_pending_lines_go_by_model_loaded_first(store):
+def replica(store: BatchStore, name: str, stale_seconds: float = 30) -> ReplicaStore:
+    r = ReplicaStore(store.db, name, stale_seconds)
+    store.db.call(r.beat)
+    return r
+
+
+def claimed(store: BatchStore, batch_id: str, by: ReplicaStore, limit: int = 10,
+            skip: frozenset = frozenset(), loaded: tuple = ()) -> list[str]:
+    rows = store.db.call(store.claim, batch_id, by, limit, set(skip), loaded)
+    return [r["custom_id"] for r in rows]
+
+
+def test_lines_are_claimed_by_model_loaded_first(store):
     batch_id = started(store, ["b", "a", "b", "c", "a", "b"])
-    order = [r["custom_id"] for r in store.db.call(store.pending, batch_id, 10, set())]
-    assert order == ["l1", "l4", "l0", "l2", "l5", "l3"]  # a, then b, then c
-    order = [r["custom_id"] for r in store.db.call(store.pending, batch_id, 10, {"l5"}, ("c",))]
-    assert order == ["l3", "l1", "l4", "l0", "l2"]  # the loaded model's lines first
+    me = replica(store, "me")
+    assert claimed(store, batch_id, me) == ["l1", "l4", "l0", "l2", "l5", "l3"]  # a, b, c
+    # its own claims come back to it, but for those it runs (`skip`); the loaded model first
+    assert claimed(store, batch_id, me, skip={"l5"}, loaded=("c",)) == [
+        "l3", "l1", "l4", "l0", "l2"]
+
+
+def test_a_live_replicas_claims_are_its_own_until_it_goes(store):
+    batch_id = started(store, ["m"] * 5)
+    a, b = replica(store, "a"), replica(store, "b")
+    assert claimed(store, batch_id, a, limit=3) == ["l0", "l1", "l2"]
+    assert claimed(store, batch_id, b) == ["l3", "l4"]  # not a's
+    assert claimed(store, batch_id, b) == ["l3", "l4"]  # (its own, again: it lost them)
+    call = store.db.call
+    assert call(store.record, batch_id, "l0", "req_0", 200, {}, None)
+    call(b.leave)  # a clean stop: its lines are free at once
+    assert claimed(store, batch_id, a) == ["l1", "l2", "l3", "l4"]
+    assert claimed(store, batch_id, replica(store, "c")) == []
+    # a's heartbeat stops: once it is older than the stale window, c takes a's lines
+    call(lambda: store.db.conn.execute("update replicas set heartbeat_at = heartbeat_at - 31 "
+                                       "where id = 'a'"))
+    assert claimed(store, batch_id, replica(store, "c")) == ["l1", "l2", "l3", "l4"]
+    assert [r["id"] for r in call(a.live)] == ["c"]
+
+
+def test_a_gone_replicas_background_responses_are_stored_failed(store):
+    replica(store, "a")
+    b = replica(store, "b")
+    call = store.db.call
+    call(ResponseStore(store.db, "a").put, "t", {"id": "resp_a", "status": "in_progress"}, [])
+    call(ResponseStore(store.db, "b").put, "t", {"id": "resp_b", "status": "queued"}, [])
+    call(ResponseStore(store.db, "a").put, "t", {"id": "resp_done", "status": "completed"}, [])
+    error = {"code": "server_error", "message": "gone"}
+    assert call(b.fail_orphaned, error) == 0  # a lives: its response is its own
+    call(lambda: store.db.conn.execute("update replicas set heartbeat_at = heartbeat_at - 31 "
+                                       "where id = 'a'"))
+    assert call(b.fail_orphaned, error) == 1
+    got = call(ResponseStore(store.db).get, "t", "resp_a")[0]
+    assert got == {"id": "resp_a", "status": "failed", "error": error}
+    assert call(ResponseStore(store.db).get, "t", "resp_b")[0]["status"] == "queued"
 
 
 def test_a_result_is_stored_once_and_the_output_has_each_line_once(store):
@@ -93,8 +143,8 @@ def test_a_version_5_database_gains_the_model_and_status_columns(tmp_path):
                              "alter table responses drop column status")
     try:  # the columns came back, filled from the JSON they were taken from
         store = BatchStore(db, FileStore(db, tmp_path / "files"))
-        order = [r["custom_id"] for r in db.call(store.pending, batch_id, 10, set(), ("b",))]
-        assert order == ["l1", "l0"]
-        assert db.call(ResponseStore(db).fail_unfinished, {"code": "x", "message": "y"}) == 1
+        me = replica(store, "me")
+        assert claimed(store, batch_id, me, loaded=("b",)) == ["l1", "l0"]
+        assert db.call(me.fail_orphaned, {"code": "x", "message": "y"}) == 1
     finally:
         db.close()

@@ -4,7 +4,10 @@ bounded number at a time, and finishes them (completed, cancelled, expired).
 Interactive requests come first: batch lines wait behind them in the scheduler and are the
 first preempted when memory runs short, so batch work fills what interactive traffic leaves.
 Everything durable is in the store (storage/batches.py); after a crash the worker simply picks up
-the active batches again: lines without a stored result run again, stored ones never do.
+the active batches again: lines without a stored result run again, stored ones never do. On a
+store that replicas share, each claims the lines it runs; a replica gone silent loses its
+claims after the stale window (storage/replicas.py), and whichever replica finds a batch
+validating, finished, cancelled or expired moves it on, once (the store's transactions decide).
 """
 
 from __future__ import annotations
@@ -46,7 +49,8 @@ class BatchWorker:
         self._task = asyncio.create_task(self._loop(), name="batch-worker")
 
     async def stop(self) -> None:
-        """Stop feeding; lines still running stay pending and run again on the next start."""
+        """Stop feeding; lines still running stay pending and run again (here after a
+        restart, or on another replica)."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -59,6 +63,14 @@ class BatchWorker:
     @property
     def num_running(self) -> int:
         return sum(len(lines) for lines in self.running.values())
+
+    def room(self) -> int:
+        """Lines this replica may claim now: up to --batch-max-running running, and only
+        while the engine has sequences to spare beside the interactive requests (a busy
+        replica leaves the queue to idle ones)."""
+        state = self.state
+        spare = state.settings.engine.max_num_seqs - state.num_pending
+        return min(state.settings.batch_max_running - self.num_running, spare)
 
     async def _loop(self) -> None:
         while True:
@@ -194,10 +206,9 @@ class BatchWorker:
     async def _feed(self, batch: dict[str, Any]) -> None:
         batch_id = batch["id"]
         running = self.running.setdefault(batch_id, {})
-        room = self.state.settings.batch_max_running - self.num_running
-        if room > 0:
-            lines = await self.state.db.run(self.store.pending, batch_id, room, set(running),
-                                            self.state.held.loaded_names())
+        if (room := self.room()) > 0:
+            lines = await self.state.db.run(self.store.claim, batch_id, self.state.replica,
+                                            room, set(running), self.state.held.loaded_names())
             for line in lines:
                 cid = line["custom_id"]
                 running[cid] = asyncio.create_task(self._run_line(batch, cid, line["body"]))
@@ -225,7 +236,7 @@ class BatchWorker:
             usage_row = {"day": today(), "tenant": batch["tenant"], "kind": "batch",
                          "model": state.served_name}
             await state.db.run(self.store.record, batch["id"], custom_id, request_id, status,
-                               body, usage_row)
+                               body, usage_row, state.replica.id)
         finally:
             self.running.get(batch["id"], {}).pop(custom_id, None)
             self.wake.set()

@@ -23,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from server.api.errors import APIError, invalid, log
+from server.api.fleet import STOPPED
 from server.api.openai.response_run import ResponseRun
 from server.api.pagination import int_param
 from server.api.sse import sse_response
@@ -30,8 +31,7 @@ from server.api.state import ServerState
 
 UNFINISHED = ("queued", "in_progress")
 KEEP_SECONDS = 600  # a finished response's events, for followers (OpenAI keeps ~10 minutes)
-SHUTDOWN = {"code": "server_error",
-            "message": "The server stopped before this response finished."}
+SHUTDOWN = STOPPED
 
 
 class BackgroundRun:

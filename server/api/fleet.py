@@ -1,0 +1,71 @@
+"""What a server does as one replica of a fleet sharing a store (docs/fleet.md), and as the
+only one on a SQLite file: it beats its heartbeat, stores failed the background responses of
+replicas gone silent, and names itself on every response (x-localserve-replica), so a router's
+choice can be seen."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from server.api.state import ServerState
+
+log = logging.getLogger("localserve")
+
+REPLICA_HEADER = "x-localserve-replica"
+BEATS_PER_WINDOW = 5  # heartbeats within a stale window: a missed one or two is not death
+# A background response's error once the server generating it stopped (or is gone)
+STOPPED = {"code": "server_error",
+           "message": "The server stopped before this response finished."}
+
+
+async def join(state: ServerState) -> None:
+    """At start: register, and fail what dead replicas left (on a SQLite file: every earlier
+    process of this home, whose lock this one now holds)."""
+    replica = state.replica
+    if not state.db.postgres:
+        await state.db.run(replica.alone)
+    await state.db.run(replica.beat)
+    failed = await state.db.run(replica.fail_orphaned, STOPPED)
+    if failed:
+        log.info("%d background responses of a stopped server stored failed", failed)
+
+
+async def heartbeat(state: ServerState) -> None:
+    """Until cancelled: beat, and take over from replicas gone silent."""
+    replica = state.replica
+    while True:
+        await asyncio.sleep(replica.stale_seconds / BEATS_PER_WINDOW)
+        try:
+            await state.db.run(replica.beat)
+            failed = await state.db.run(replica.fail_orphaned, STOPPED)
+            if failed:
+                log.info("%d background responses of a gone replica stored failed", failed)
+        except Exception as e:  # noqa: BLE001 - the store is away: beat again later
+            log.warning("heartbeat failed: %s", e)
+
+
+async def leave(state: ServerState) -> None:
+    """A clean stop: this replica's claimed batch lines go back to the queue at once."""
+    await state.db.run(state.replica.leave)
+
+
+class ReplicaHeader:
+    """x-localserve-replica: <replica id> on every HTTP response."""
+
+    def __init__(self, app: ASGIApp, replica_id: str) -> None:
+        self.app = app
+        self.header = (REPLICA_HEADER.encode(), replica_id.encode())
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def named(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", ()), self.header]
+            await send(message)
+        await self.app(scope, receive, named)
