@@ -1,22 +1,34 @@
 """Two replicas (real server processes) on one real PostgreSQL database: what one stores the
-other serves, and a 200-line batch runs on both and ends with every line once, through a
-kill -9 of a replica and a restart of PostgreSQL."""
+other serves; a 200-line batch runs on both and ends with every line once, through a kill -9
+of a replica and a restart of PostgreSQL; vLLM's router (vllm-router) in front keeps a shared
+prefix on one replica and routes around a killed one."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import signal
+import socket
+import subprocess
+import sys
 import time
+from functools import partial
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
+from server.api.fleet import REPLICA_HEADER
 from tests.api.batch.test_batches import chat_line, read_lines, submit, wait
 from tests.api.conftest import MODEL
 from tests.api.server import ServerProcess, home_with_models
 
 STALE = "2"  # seconds: a killed replica's lines are taken over quickly
+# docs/fleet.md's router flags: a replica that fails a request is skipped at once (its circuit
+# opens) and the request retried on another; health checked every second
+FLEET_ROUTER_ARGS = ("--cb-failure-threshold", "1", "--retry-max-retries", "3",
+                     "--health-check-interval-secs", "1", "--health-failure-threshold", "1")
 
 
 @pytest.fixture
@@ -119,3 +131,108 @@ def test_a_postgresql_restart_mid_batch_still_ends_it_once(fleet, postgres):
         return fleet[1]
     run_200_lines(fleet, restart)
     assert all(replica.proc.poll() is None for replica in fleet)
+
+
+class Router:
+    """vllm-router (PyPI) in front of the replicas, on a free port."""
+
+    def __init__(self, replicas: list[ServerProcess], policy: str, log: Path) -> None:
+        self.port = free_port()
+        binary = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
+        self.proc = subprocess.Popen(
+            [binary, "--worker-urls", *(r.url for r in replicas), "--policy", policy,
+             "--host", "127.0.0.1", "--port", str(self.port),
+             "--prometheus-port", str(free_port()), *FLEET_ROUTER_ARGS],
+            stdout=log.open("w"), stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while True:
+            assert self.proc.poll() is None, log.read_text()[-2000:]
+            assert time.monotonic() < deadline, log.read_text()[-2000:]
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ask(router: Router, text: str) -> tuple[str, int]:
+    """(the replica that answered, the prompt tokens it had cached)."""
+    r = httpx.post(f"{router.url}/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "max_tokens": 2, "temperature": 0,
+        "messages": [{"role": "user", "content": text}]})
+    assert r.status_code == 200, r.text
+    details = r.json()["usage"].get("prompt_tokens_details") or {}
+    return r.headers[REPLICA_HEADER], details.get("cached_tokens", 0)
+
+
+def shared_prefix_load(router: Router, tag: str) -> tuple[dict[int, set[str]], int]:
+    """3 long documents, 4 questions on each, asked in turn: (the replicas each document's
+    questions reached, the prompt tokens found cached over all of them)."""
+    seen: dict[int, set[str]] = {}
+    cached = 0
+    for question in range(4):
+        for doc in range(3):
+            text = f"{tag} document {doc}: " + " ".join(
+                f"line {i} of document {doc} says {tag} {i * 7 + doc}." for i in range(60))
+            replica, hit = ask(router, f"{text}\nQuestion {question}: what does it say?")
+            seen.setdefault(doc, set()).add(replica)
+            cached += hit
+    return seen, cached
+
+
+def test_the_router_keeps_a_prefix_on_one_replica_and_survives_a_kill(fleet, tmp_path):
+    routers = {policy: Router(fleet, policy, tmp_path / f"{policy}.log")
+               for policy in ("cache_aware", "round_robin")}
+    try:
+        seen, aware_hits = shared_prefix_load(routers["cache_aware"], "aware")
+        assert all(len(replicas) == 1 for replicas in seen.values()), seen
+        seen, robin_hits = shared_prefix_load(routers["round_robin"], "robin")
+        assert all(len(replicas) == 2 for replicas in seen.values()), seen
+        assert aware_hits > robin_hits > 0, (aware_hits, robin_hits)
+        fleet[0].signal(signal.SIGKILL)
+        fleet[0].proc.wait(10)
+        answered = {ask(routers["cache_aware"], f"After the kill, question {i}")[0]
+                    for i in range(20)}
+        assert answered == {httpx.get(f"{fleet[1].url}/health").headers[REPLICA_HEADER]}
+    finally:
+        for router in routers.values():
+            router.stop()
+
+
+def test_render_gives_the_prompt_ids_a_request_runs(server):
+    """What vllm-router asks a replica before it routes (its added fields included)."""
+    messages = [{"role": "user", "content": "Hello there"}]
+    post = partial(httpx.post, headers=server.headers, timeout=30)
+    chat = post(f"{server.url}/v1/chat/completions/render", json={
+        "model": MODEL, "messages": messages, "no_stop_trim": False,
+        "skip_special_tokens": True, "include_reasoning": True}).json()
+    tokenized = post(f"{server.url}/tokenize", json={"messages": messages}).json()
+    assert chat == {"token_ids": tokenized["tokens"], "features": None}
+    done = post(f"{server.url}/v1/chat/completions", json={
+        "model": MODEL, "messages": messages, "max_tokens": 1}).json()
+    assert done["usage"]["prompt_tokens"] == len(chat["token_ids"])  # what it ran
+    rendered = post(f"{server.url}/v1/completions/render", json={
+        "model": MODEL, "prompt": ["Hello there", "Bye"]}).json()
+    assert [r["token_ids"] for r in rendered] == [
+        post(f"{server.url}/tokenize", json={"prompt": text}).json()["tokens"]
+        for text in ("Hello there", "Bye")]
+    rendered = post(f"{server.url}/v1/completions/render", json={
+        "model": MODEL, "prompt": [[5, 6, 7]]}).json()
+    assert rendered == [{"token_ids": [5, 6, 7], "features": None}]
+    bad = post(f"{server.url}/v1/chat/completions/render", json={"model": MODEL})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"

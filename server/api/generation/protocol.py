@@ -22,6 +22,12 @@ from server.engine.sequence import SamplingParams
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
 MAX_STOP = 16
+# Fields vLLM's router (and SGLang's, whose design it shares) adds to every body it forwards,
+# at these values, which change nothing here: accepted at them, refused at any other.
+ROUTER_FIELDS = {"no_stop_trim": False, "skip_special_tokens": True,
+                 "return_hidden_states": False}
+ROUTER_CHAT_FIELDS = {"separate_reasoning": True, "stream_reasoning": True,
+                      "include_reasoning": True}
 # The sampling fields a model's recommended settings (storage/sampling.py) fill in where a
 # request leaves them out.
 MODEL_DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -122,7 +128,13 @@ def _common(f: Fields, vocab_size: int) -> tuple[dict[str, Any], dict[str, Any]]
     f.str("service_tier")
     f.str("safety_identifier")
     cache_hints(f)
+    router_fields(f, ROUTER_FIELDS)
     return kw, other
+
+
+def router_fields(f: Fields, fields: dict[str, bool]) -> None:
+    for name, value in fields.items():
+        f.refuse(name, (None, value), f"only {str(value).lower()}")
 
 
 KEEP_ALIVE = re.compile(r"^(-?\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)?$")
@@ -208,6 +220,7 @@ def parse_chat(body: dict[str, Any], vocab_size: int) -> ChatRequest:
     f.refuse("moderation")
     metadata = parse_metadata(f.raw("metadata"))
     continue_final = _continue_final(f, messages)
+    router_fields(f, ROUTER_CHAT_FIELDS)
     f.check_unknown()
     params = SamplingParams(logprobs=logprobs, top_logprobs=top or 0, **kw)
     return ChatRequest(params=params, max_tokens=max_tokens, messages=messages,

@@ -8,6 +8,7 @@ from server.api.openai import (
     completions,
     conversations,
     embeddings,
+    render,
     responses,
     stored_completions,
 )
@@ -15,6 +16,8 @@ from server.api.openai import (
 ROUTES = [
     Route("/v1/chat/completions", chat.create_chat_completion, methods=["POST"]),
     Route("/v1/chat/completions", stored_completions.list_completions, methods=["GET"]),
+    Route("/v1/chat/completions/render", render.render_chat, methods=["POST"]),
+    Route("/v1/completions/render", render.render_completion, methods=["POST"]),
     Route("/v1/chat/completions/{completion_id}", stored_completions.get_completion,
           methods=["GET"]),
     Route("/v1/chat/completions/{completion_id}", stored_completions.update_completion,

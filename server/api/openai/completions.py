@@ -41,7 +41,7 @@ async def create_completion(request: Request) -> Response:
 async def start_completion(state: ServerState, req: CompletionRequest, place: Admission
                            ) -> CompletionRun:
     """One engine request per prompt, started; the run merges their chunks into choices."""
-    prompt_ids = await off_loop(_tokenize, state.tokenizer, req.prompts)
+    prompt_ids = await off_loop(tokenize_prompts, state.tokenizer, req.prompts)
     # max_tokens 0 (with echo): one token is computed and not given (CompletionRun)
     sampling = with_model_defaults(state, req.params, req.left_out)
     params = [with_max_tokens(state, sampling, max(req.max_tokens, 1), len(ids), "prompt")
@@ -55,7 +55,7 @@ async def start_completion(state: ServerState, req: CompletionRequest, place: Ad
     return CompletionRun(state, req, rid, prompt_ids, echoes, merged(streams))
 
 
-def _tokenize(tokenizer: Any, prompts: list[str | list[int]]) -> list[list[int]]:
+def tokenize_prompts(tokenizer: Any, prompts: list[str | list[int]]) -> list[list[int]]:
     return [p if isinstance(p, list) else tokenizer.encode(p) for p in prompts]
 
 

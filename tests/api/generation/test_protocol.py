@@ -87,3 +87,28 @@ def test_the_sampling_fields_a_request_leaves_to_the_model():
     assert req.left_out == every - {"temperature"}
     req = parse_completion({"model": "m", "prompt": "a", "top_p": 0.5, "min_p": 0.1}, VOCAB)
     assert req.left_out == {"temperature", "top_k", "repetition_penalty"}
+
+
+# What vllm-router (--policy cache_aware) sent on, captured from it: its defaults beside the
+# client's fields
+ROUTED_CHAT = {"model": "m", "messages": MSG, "stream": False, "max_tokens": 3,
+               "logprobs": False, "no_stop_trim": False, "ignore_eos": False,
+               "continue_final_message": False, "skip_special_tokens": True,
+               "separate_reasoning": True, "stream_reasoning": True,
+               "return_hidden_states": False, "include_reasoning": True}
+ROUTED_COMPLETION = {"model": "m", "prompt": "hi", "max_tokens": 3, "stream": False,
+                     "echo": False, "no_stop_trim": False, "ignore_eos": False,
+                     "skip_special_tokens": True, "return_hidden_states": False}
+
+
+def test_a_routers_added_fields_parse_as_the_bare_body():
+    routed = parse_chat(ROUTED_CHAT, VOCAB)
+    assert routed.params == parse_chat({"model": "m", "messages": MSG, "max_tokens": 3},
+                                       VOCAB).params
+    routed = parse_completion(ROUTED_COMPLETION, VOCAB)
+    assert routed.params == parse_completion({"model": "m", "prompt": "hi", "max_tokens": 3},
+                                             VOCAB).params
+    # any other value asks for what localserve does not do: refused, naming the field
+    for name in ("no_stop_trim", "skip_special_tokens", "include_reasoning"):
+        e = refused(parse_chat, ROUTED_CHAT | {name: not ROUTED_CHAT[name]})
+        assert (e.param, e.code) == (name, "unsupported_parameter")
