@@ -5,7 +5,9 @@ prefix on one replica and routes around a killed one."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
 import signal
 import socket
@@ -236,3 +238,49 @@ def test_render_gives_the_prompt_ids_a_request_runs(server):
     assert rendered == [{"token_ids": [5, 6, 7], "features": None}]
     bad = post(f"{server.url}/v1/chat/completions/render", json={"model": MODEL})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"
+
+
+def test_one_endpoint_through_docs_nginx_conf(fleet, tmp_path):
+    """docs/fleet/nginx.conf as written, its addresses made the test's: generation through the
+    router, the rest to the replicas, streams as they come."""
+    nginx = shutil.which("nginx") or "/usr/sbin/nginx"
+    if not Path(nginx).exists():
+        (pytest.fail if os.environ.get("CI") else pytest.skip)(
+            "nginx is not installed (Debian: apt-get install nginx; .ci/run installs it)")
+    router = Router(fleet, "cache_aware", tmp_path / "router.log")
+    port = free_port()
+    conf = (Path(__file__).parents[2] / "docs" / "fleet" / "nginx.conf").read_text()
+    for old, new in [("127.0.0.1:8080", f"127.0.0.1:{router.port}"),
+                     ("127.0.0.1:8001", fleet[0].url[7:]), ("127.0.0.1:8002", fleet[1].url[7:]),
+                     ("listen 8000;", f"listen 127.0.0.1:{port};"),
+                     ("http {", "http {\n" + "".join(  # where a non-root nginx may write
+                         f"{kind}_temp_path {tmp_path / kind};\n"
+                         for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")))]:
+        assert old in conf, old
+        conf = conf.replace(old, new)
+    (tmp_path / "nginx.conf").write_text(conf)
+    proc = subprocess.Popen([nginx, "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf"),
+                             "-e", str(tmp_path / "error.log"),
+                             "-g", f"daemon off; pid {tmp_path / 'nginx.pid'};"])
+    try:
+        deadline = time.monotonic() + 30
+        while True:  # nginx is up once /health comes back from a replica
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            assert proc.poll() is None and time.monotonic() < deadline, \
+                (tmp_path / "error.log").read_text()
+            time.sleep(0.05)
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        answer = c.chat.completions.create(model=MODEL, max_tokens=3, store=True, messages=[
+            {"role": "user", "content": "Hello"}])
+        assert answer.id in [x.id for x in c.chat.completions.list().data]  # GET: a replica
+        chunks = list(c.chat.completions.create(model=MODEL, max_tokens=3, stream=True,
+                                                messages=[{"role": "user", "content": "Hi"}]))
+        assert chunks[-1].choices[0].finish_reason == "length"
+        batch = submit(c, [chat_line(i) for i in range(4)])
+        assert wait(c, batch.id).request_counts.completed == 4
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        router.stop()
