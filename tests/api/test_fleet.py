@@ -135,6 +135,25 @@ def test_a_postgresql_restart_mid_batch_still_ends_it_once(fleet, postgres):
     assert all(replica.proc.poll() is None for replica in fleet)
 
 
+def test_a_batch_cancelled_through_one_replica_stops_on_both(fleet):
+    a, b = fleet
+    lines = [chat_line(i, max_tokens=400) for i in range(40)]
+    batch_id = submit(client(a), lines).id
+    deadline = time.monotonic() + 60
+    while len(b.sql("select distinct claimed_by from batch_lines where batch_id = ? and "
+                    "state = 'pending' and claimed_by is not null", [batch_id])) < 2:
+        assert time.monotonic() < deadline, "both replicas should be running lines"
+        time.sleep(0.05)
+    client(b).batches.cancel(batch_id)
+    done = wait(client(a), batch_id)
+    assert done.status == "cancelled" and done.request_counts.total == 40
+    out = read_lines(client(a), done.output_file_id) + read_lines(client(a), done.error_file_id)
+    assert sorted(x["custom_id"] for x in out) == sorted(x["custom_id"] for x in lines)
+    while any(r.metrics().get("localserve:num_requests_running", 0) for r in fleet):
+        assert time.monotonic() < deadline + 60, "both replicas should stop its lines"
+        time.sleep(0.1)
+
+
 class Router:
     """vllm-router (PyPI) in front of the replicas, on a free port."""
 
@@ -216,7 +235,7 @@ def test_the_router_keeps_a_prefix_on_one_replica_and_survives_a_kill(fleet, tmp
             router.stop()
 
 
-def test_render_gives_the_prompt_ids_a_request_runs(server):
+def test_render_and_load_answer_what_a_router_asks(server):
     """What vllm-router asks a replica before it routes (its added fields included)."""
     messages = [{"role": "user", "content": "Hello there"}]
     post = partial(httpx.post, headers=server.headers, timeout=30)
@@ -238,6 +257,9 @@ def test_render_gives_the_prompt_ids_a_request_runs(server):
     assert rendered == [{"token_ids": [5, 6, 7], "features": None}]
     bad = post(f"{server.url}/v1/chat/completions/render", json={"model": MODEL})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"
+    load = httpx.get(f"{server.url}/get_load", timeout=10).json()  # --policy power_of_two's
+    assert set(load) == {"load", "num_reqs", "num_waiting_reqs"}
+    assert load["load"] == load["num_reqs"] + load["num_waiting_reqs"] >= 0
 
 
 def test_one_endpoint_through_docs_nginx_conf(fleet, tmp_path):

@@ -94,7 +94,9 @@ class BatchWorker:
             self.wake.clear()
 
     async def tick(self) -> None:
-        for batch in await self.state.db.run(self.store.active):
+        active = await self.state.db.run(self.store.active)
+        await self._drop_ended({batch["id"] for batch in active})
+        for batch in active:
             try:
                 await self._step(batch)
             except asyncio.CancelledError:
@@ -240,6 +242,15 @@ class BatchWorker:
         finally:
             self.running.get(batch["id"], {}).pop(custom_id, None)
             self.wake.set()
+
+    async def _drop_ended(self, active: set[str]) -> None:
+        """Stop the lines of batches that ended elsewhere (cancelled or expired through another
+        replica): their results could no longer be stored."""
+        for batch_id in [b for b in self.running if b not in active]:
+            tasks = list(self.running.pop(batch_id).values())
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _close(self, batch: dict[str, Any], final: str, code: str, message: str) -> None:
         """Cancel or expire: stop its running lines, close the rest, write what finished."""

@@ -11,6 +11,7 @@ ROUTES = [
     Route("/v1/dashboard/state", dashboard.dashboard_state, methods=["GET"]),
     Route("/health", health.health, methods=["GET"]),
     Route("/metrics", health.prometheus, methods=["GET"]),
+    Route("/get_load", health.get_load, methods=["GET"]),
     Route("/v1/models", health.list_models, methods=["GET"]),
     Route("/v1/models/{model}/load", health.load_model, methods=["POST"]),
     Route("/v1/models/{model}/unload", health.unload_model, methods=["POST"]),

@@ -1,5 +1,6 @@
-"""GET /health (public: loading, ready, draining), GET /metrics (Prometheus), GET /v1/models
-and /v1/models/{model}: the store's models, and whether each is loaded."""
+"""GET /health (public: loading, ready, draining), GET /metrics (Prometheus), GET /get_load (a
+router's), GET /v1/models and /v1/models/{model}: the store's models, and whether each is
+loaded."""
 
 from __future__ import annotations
 
@@ -25,10 +26,27 @@ async def health(request: Request) -> Response:
     return JSONResponse({"status": "ok", "model": state.served_name} | auth)
 
 
+def _engine_stats(state: ServerState) -> list[tuple[str, dict]]:
+    """Each loaded model's name and engine stats."""
+    loaded = [state, *state.held.views.values()] if state.engine is not None else []
+    return [(view.served_name, view.engine.stats()) for view in loaded]
+
+
+async def get_load(request: Request) -> Response:
+    """GET /get_load, as SGLang's and vLLM's routers read it (`--policy power_of_two` sends a
+    request to the less loaded of two replicas): sequences in the engines, running and
+    waiting, over every loaded model."""
+    stats = [s for _, s in _engine_stats(request.app.state.server)]
+    running = sum(s["num_running"] for s in stats)
+    waiting = sum(s["num_waiting"] for s in stats)
+    return JSONResponse({"load": running + waiting, "num_reqs": running,
+                         "num_waiting_reqs": waiting})
+
+
 async def prometheus(request: Request) -> Response:
     state: ServerState = request.app.state.server
+    engines = _engine_stats(state)
     loaded = [state, *state.held.views.values()] if state.engine is not None else []
-    engines = [(view.served_name, view.engine.stats()) for view in loaded]
     requests = [(view.served_name, view.metrics) for view in loaded] or [
         (state.served_name, state.metrics)]
     return PlainTextResponse(metrics.render(requests, engines, state.held.routed),
