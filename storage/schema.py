@@ -53,6 +53,15 @@ TABLES = {
 ORDERED = ("files", "batches", "chat_completions")
 # File bytes in PostgreSQL (SQLite keeps them as files beside the database)
 CHUNKS = "file_id text, n bigint, data bytea, primary key (file_id, n)"
+# Columns later versions added: (table, column, type, what an older row's value is)
+ADDED = (
+    ("batches", "output_expires_after", "bigint", None),  # version 2
+    ("batch_lines", "model", "text", "json_extract(body, '$.model')"),  # 6 from here
+    ("batch_lines", "claimed_by", "text", None),
+    ("batch_lines", "claimed_at", "bigint", None),
+    ("responses", "status", "text", "json_extract(response, '$.status')"),
+    ("responses", "replica", "text", None),
+)
 INDEXES = (
     "create index if not exists idx_batch_lines_batch_id_state_line on batch_lines "
     "(batch_id, state, line)",
@@ -97,24 +106,14 @@ def _columns(db: Conn, table: str) -> set[str]:
 
 
 def _migrate_sqlite(db: Conn) -> None:
-    """Bring an older SQLite home's existing tables to this version's columns."""
-    # each step looks at the columns there (a new home has no tables yet)
-    batches = _columns(db, "batches")
-    if batches and "output_expires_after" not in batches:  # a version 1 home
-        db.execute("alter table batches add column output_expires_after bigint")
+    """Bring an older SQLite home's existing tables to this version's columns (each step looks
+    at the columns there: a new home has no tables yet)."""
     threads = _columns(db, "message_threads")
     if threads and "parent" not in threads:  # a development version's
         db.execute("drop table message_threads")
-    lines = _columns(db, "batch_lines")
-    if lines and "model" not in lines:
-        db.execute("alter table batch_lines add column model text")
-        db.execute("update batch_lines set model = json_extract(body, '$.model')")
-    if lines and "claimed_by" not in lines:
-        db.execute("alter table batch_lines add column claimed_by text")
-        db.execute("alter table batch_lines add column claimed_at bigint")
-    responses = _columns(db, "responses")
-    if responses and "status" not in responses:
-        db.execute("alter table responses add column status text")
-        db.execute("update responses set status = json_extract(response, '$.status')")
-    if responses and "replica" not in responses:
-        db.execute("alter table responses add column replica text")
+    for table, column, kind, fill in ADDED:
+        columns = _columns(db, table)
+        if columns and column not in columns:
+            db.execute(f"alter table {table} add column {column} {kind}")
+            if fill:
+                db.execute(f"update {table} set {column} = {fill}")

@@ -114,6 +114,24 @@ class ServerProcess:
             self.proc.wait(10)
 
 
+def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 60.0) -> None:
+    """Until GET url/health answers 200; fails with the log's end if `proc` exits first or
+    the time runs out (a router or proxy in front of servers)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        alive = proc.poll() is None
+        if not alive or time.monotonic() > deadline:
+            text = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+            raise RuntimeError(f"{url} not healthy ({'exited' if not alive else 'timeout'}):"
+                               f"\n{text}")
+        time.sleep(0.05)
+
+
 def own_server(models_home: Path, tmp_path: Path, args: list[str]) -> ServerProcess:
     """A started server with its own home (database) and log under tmp_path."""
     return ServerProcess(home_with_models(models_home, tmp_path / "home"), args,

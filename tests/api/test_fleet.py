@@ -5,7 +5,6 @@ prefix on one replica and routes around a killed one."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -24,7 +23,7 @@ import pytest
 from server.api.fleet import REPLICA_HEADER
 from tests.api.batch.test_batches import chat_line, read_lines, submit, wait
 from tests.api.conftest import MODEL
-from tests.api.server import ServerProcess, home_with_models
+from tests.api.server import ServerProcess, home_with_models, wait_healthy
 
 STALE = "2"  # seconds: a killed replica's lines are taken over quickly
 # docs/fleet.md's router flags: a replica that fails a request is skipped at once (its circuit
@@ -165,16 +164,7 @@ class Router:
              "--host", "127.0.0.1", "--port", str(self.port),
              "--prometheus-port", str(free_port()), *FLEET_ROUTER_ARGS],
             stdout=log.open("w"), stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
-        while True:
-            assert self.proc.poll() is None, log.read_text()[-2000:]
-            assert time.monotonic() < deadline, log.read_text()[-2000:]
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
+        wait_healthy(self.url, self.proc, log)
 
     @property
     def url(self) -> str:
@@ -284,15 +274,8 @@ def test_one_endpoint_through_docs_nginx_conf(fleet, tmp_path):
     proc = subprocess.Popen([nginx, "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf"),
                              "-e", str(tmp_path / "error.log"),
                              "-g", f"daemon off; pid {tmp_path / 'nginx.pid'};"])
-    try:
-        deadline = time.monotonic() + 30
-        while True:  # nginx is up once /health comes back from a replica
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            assert proc.poll() is None and time.monotonic() < deadline, \
-                (tmp_path / "error.log").read_text()
-            time.sleep(0.05)
+    try:  # up once /health comes back from a replica
+        wait_healthy(f"http://127.0.0.1:{port}", proc, tmp_path / "error.log")
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
         answer = c.chat.completions.create(model=MODEL, max_tokens=3, store=True, messages=[
             {"role": "user", "content": "Hello"}])
