@@ -23,6 +23,7 @@ import pytest
 from server.api.fleet import REPLICA_HEADER
 from tests.api.batch.test_batches import chat_line, read_lines, submit, wait
 from tests.api.conftest import MODEL
+from tests.api.openai.test_background_responses import ENDLESS
 from tests.api.server import ServerProcess, home_with_models, wait_healthy
 
 STALE = "2"  # seconds: a killed replica's lines are taken over quickly
@@ -151,6 +152,27 @@ def test_a_batch_cancelled_through_one_replica_stops_on_both(fleet):
     while any(r.metrics().get("localserve:num_requests_running", 0) for r in fleet):
         assert time.monotonic() < deadline + 60, "both replicas should stop its lines"
         time.sleep(0.1)
+
+
+def test_a_background_response_is_its_replicas_until_that_one_is_gone(fleet, tiny_home,
+                                                                     tmp_path):
+    a, b = fleet
+    r = client(a).responses.create(model=MODEL, input="Say anything", background=True,
+                                   **ENDLESS)
+    third = ServerProcess(home_with_models(tiny_home, tmp_path / "c"),
+                          [MODEL, "--stale-seconds", STALE], tmp_path / "c.log",
+                          store=a.store).start()  # starting up, it leaves a's response alone
+    try:
+        assert client(third).responses.retrieve(r.id).status in ("queued", "in_progress")
+    finally:
+        third.stop()
+    a.signal(signal.SIGKILL)
+    a.proc.wait(10)
+    deadline = time.monotonic() + 60
+    while (got := client(b).responses.retrieve(r.id)).status != "failed":
+        assert got.status in ("queued", "in_progress") and time.monotonic() < deadline, got
+        time.sleep(0.1)  # failed by b once a has been silent for the stale window
+    assert got.error.code == "server_error"
 
 
 class Router:

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from storage.db import Database, DatabaseBusyError, DatabaseCorruptError
+from storage.db import SCHEMA_VERSION, Database, DatabaseBusyError, DatabaseCorruptError
 from storage.files import CHUNK, FileStore, split_lines
+from storage.sql import StoreError
 from tests.helpers import database_at_version
 
 
@@ -135,3 +136,17 @@ def test_split_lines_keeps_every_byte():
     assert list(split_lines([b"ab\ncd", b"e", b"f\n\ng", b"h"])) == [
         b"ab\n", b"cdef\n", b"\n", b"gh"]
     assert list(split_lines([b"x\n"])) == [b"x\n"] and list(split_lines([])) == []
+
+
+def test_a_postgresql_store_out_of_reach_or_too_new_is_a_clear_error(postgres):
+    with pytest.raises(StoreError, match=r"PostgreSQL at postgresql://u:\*\*\*@127.0.0.1:1/x "
+                                         "is unreachable: connection failed"):
+        Database("postgresql://u:secret@127.0.0.1:1/x", reconnect_seconds=0.2)
+    url = postgres.create_database()
+    Database(url).close()
+    db = Database(url)
+    db.call(lambda: db.conn.execute("update schema_version set version = ?",
+                                    [SCHEMA_VERSION + 1]))
+    db.close()
+    with pytest.raises(StoreError, match=f"schema is version {SCHEMA_VERSION + 1}, newer"):
+        Database(url)
