@@ -4,10 +4,12 @@
 #   docker build -t localserve:cuda \
 #     --build-arg BASE_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04 \
 #     --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 .
+# A fleet's replica (PostgreSQL store, docs/fleet.md): --build-arg EXTRAS=fleet
 ARG BASE_IMAGE=python:3.11-slim
 FROM ${BASE_IMAGE}
 
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ARG EXTRAS=""
 ENV PYTHONUNBUFFERED=1 \
     LOCALSERVE_HOME=/data \
     VIRTUAL_ENV=/opt/venv \
@@ -29,7 +31,7 @@ COPY pyproject.toml README.md ./
 COPY server ./server
 COPY cli ./cli
 COPY storage ./storage
-RUN pip install --no-cache-dir .
+RUN pip install --no-cache-dir ".${EXTRAS:+[$EXTRAS]}"
 
 VOLUME /data
 EXPOSE 8000
