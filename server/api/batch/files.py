@@ -122,7 +122,7 @@ async def get_file(request: Request) -> Response:
 async def file_content(request: Request) -> Response:
     state: ServerState = request.app.state.server
     row = await _row(request)
-    chunks = state.files.read(row)
+    chunks = await asyncio.to_thread(state.files.read, row)  # (the store's first chunk)
     if chunks is None:  # removed outside the server: say so, not a 500 naming the path
         raise APIError(404, f"The content of file {row['id']} is no longer stored.",
                        code="file_content_missing")
