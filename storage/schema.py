@@ -4,8 +4,8 @@ SQLite homes (PostgreSQL stores start at the current version).
 Version history: 2 batches.output_expires_after; 3 responses; 4 conversations and stored chat
 completions; 5 Anthropic's message threads; 6 replicas sharing a PostgreSQL store: the
 replicas and their heartbeats, batch lines claimed by one, the replica running a background
-response, batch_lines.model and responses.status as columns (no JSON functions in queries),
-file bytes in file_chunks on PostgreSQL.
+response or a thread's continuation, batch_lines.model and responses.status as columns (no
+JSON functions in queries), file bytes in file_chunks on PostgreSQL.
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ TABLES = {
     "chat_completions": "id text primary key, tenant text, created_at bigint, model text, "
                         "metadata text, completion text, messages text",
     "message_threads": "id text primary key, tenant text, created_at bigint, parent text, "
-                       "messages text, fields text, continued_by text",
+                       "messages text, fields text, continued_by text, "
+                       "continued_on text",
     # The servers sharing this store (one for a SQLite file): a replica whose heartbeat is
     # older than the stale window is gone, and what it had claimed is free again
     "replicas": "id text primary key, started_at bigint, heartbeat_at bigint",
@@ -61,6 +62,7 @@ ADDED = (
     ("batch_lines", "claimed_at", "bigint", None),
     ("responses", "status", "text", "json_extract(response, '$.status')"),
     ("responses", "replica", "text", None),
+    ("message_threads", "continued_on", "text", None),
 )
 INDEXES = (
     "create index if not exists idx_batch_lines_batch_id_state_line on batch_lines "

@@ -4,9 +4,10 @@ sends only its new messages (`thread: {"type": "continue", "previous_message_id"
 conversation of N turns takes N rows, not N copies of itself. A row also keeps the fields a
 thread holds from the turn that created it (its `system` and `tools`, as sent). A thread is a
 line: a message is continued once. While a request continues it the message is claimed
-(`continued_by` names the new message, which is stored when its reply is whole); a request that
-fails gives its claim back, a crash's claims are given back at start, and messages untouched
-for THREAD_DAYS are dropped then (a thread that lost one is not found: the SDK replays it).
+(`continued_by` names the new message, which is stored when its reply is whole, `continued_on`
+the replica answering it); a request that fails gives its claim back, the claims of a replica
+that crashed (or stopped) are given back when a server starts, and messages untouched for
+THREAD_DAYS are dropped then (a thread that lost one is not found: the SDK replays it).
 
 Every method runs on the database thread (call it through Database.run / Database.call).
 """
@@ -18,6 +19,7 @@ import time
 from typing import Any
 
 from storage.db import Database
+from storage.replicas import ReplicaStore
 
 THREAD_DAYS = 30
 
@@ -32,8 +34,9 @@ class ThreadError(Exception):
 
 
 class ThreadStore:
-    def __init__(self, db: Database) -> None:
+    def __init__(self, db: Database, replica: ReplicaStore | None = None) -> None:
         self.db = db
+        self.replica = replica  # this server's (None: a store without replicas, in tests)
 
     def put(self, tenant: str, message_id: str, parent: str | None,
             messages: list[dict[str, Any]], fields: dict[str, Any] | None = None) -> None:
@@ -64,8 +67,8 @@ class ThreadStore:
                 raise ThreadError("thread_already_continued" if done else
                                   "thread_continue_in_flight")
             conversation = self._conversation(db, tenant, previous_id)
-            db.execute("update message_threads set continued_by = ? where id = ?",
-                       [message_id, previous_id])
+            db.execute("update message_threads set continued_by = ?, continued_on = ? where "
+                       "id = ?", [message_id, self.replica and self.replica.id, previous_id])
             return conversation
 
     def release(self, previous_id: str, message_id: str) -> None:
@@ -75,14 +78,18 @@ class ThreadStore:
                        "continued_by = ?", [previous_id, message_id])
 
     def release_unfinished(self) -> int:
-        """At start: give back the claims of messages never stored (a crash), and drop the
-        messages older than THREAD_DAYS. Returns the claims given back."""
+        """At start: give back the claims of messages never stored whose replica is gone (a
+        crash; live replicas' are still being answered), and drop the messages older than
+        THREAD_DAYS. Returns the claims given back."""
+        live_after = self.replica.live_after() if self.replica else 1 << 62
         with self.db.transaction() as db:
             db.execute("delete from message_threads where created_at < ?",
                        [int(time.time()) - THREAD_DAYS * 86400])
             return db.execute(
-                "update message_threads set continued_by = null where continued_by is not null "
-                "and continued_by not in (select id from message_threads)")
+                "update message_threads set continued_by = null, continued_on = null where "
+                "continued_by is not null and continued_by not in (select id from "
+                "message_threads) and (continued_on is null or continued_on not in (select id "
+                "from replicas where heartbeat_at >= ?))", [live_after])
 
     @staticmethod
     def _row(db: Any, tenant: str, message_id: str) -> dict[str, Any]:

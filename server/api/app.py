@@ -124,7 +124,6 @@ def create_app(settings: ServerSettings, state: ServerState | None = None) -> St
             state.worker.start()
 
         await fleet.join(state)  # what a crash left unfinished: nothing generates it now
-        await state.db.run(state.threads.release_unfinished)
         beats = asyncio.create_task(fleet.heartbeat(state))
         task = asyncio.create_task(load())
         sampler = asyncio.create_task(dashboard.sample_throughput(state))

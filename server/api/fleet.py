@@ -1,7 +1,7 @@
 """What a server does as one replica of a fleet sharing a store (docs/fleet.md), and as the
-only one on a SQLite file: it beats its heartbeat, stores failed the background responses of
-replicas gone silent, and names itself on every response (x-localserve-replica), so a router's
-choice can be seen."""
+only one on a SQLite file: it beats its heartbeat, takes over what replicas gone silent left
+(their background responses stored failed, their thread continuations given back), and names
+itself on every response (x-localserve-replica), so a router's choice can be seen."""
 
 from __future__ import annotations
 
@@ -28,9 +28,7 @@ async def join(state: ServerState) -> None:
     if not state.db.postgres:
         await state.db.run(replica.alone)
     await state.db.run(replica.beat)
-    failed = await state.db.run(replica.fail_orphaned, STOPPED)
-    if failed:
-        log.info("%d background responses of a stopped server stored failed", failed)
+    await _take_over(state)
 
 
 async def heartbeat(state: ServerState) -> None:
@@ -40,11 +38,19 @@ async def heartbeat(state: ServerState) -> None:
         await asyncio.sleep(replica.stale_seconds / BEATS_PER_WINDOW)
         try:
             await state.db.run(replica.beat)
-            failed = await state.db.run(replica.fail_orphaned, STOPPED)
-            if failed:
-                log.info("%d background responses of a gone replica stored failed", failed)
+            await _take_over(state)
         except Exception as e:  # noqa: BLE001 - the store is away: beat again later
             log.warning("heartbeat failed: %s", e)
+
+
+async def _take_over(state: ServerState) -> None:
+    """What replicas gone silent left: their background responses stored failed, the thread
+    continuations they were answering given back (the batch lines they claimed need nothing:
+    the next claim takes them)."""
+    failed = await state.db.run(state.replica.fail_orphaned, STOPPED)
+    if failed:
+        log.info("%d background responses of a stopped server stored failed", failed)
+    await state.db.run(state.threads.release_unfinished)
 
 
 async def leave(state: ServerState) -> None:

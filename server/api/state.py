@@ -151,7 +151,7 @@ class ServerState:
         self.responses = ResponseStore(self.db, self.replica.id)
         self.conversations = ConversationStore(self.db)
         self.chat_completions = ChatCompletionStore(self.db)
-        self.threads = ThreadStore(self.db)
+        self.threads = ThreadStore(self.db, self.replica)
         self.held = HeldModels(self)  # the models beside the first, loaded on demand
         self.background: dict[str, Any] = {}  # background responses by id (openai/background.py)
         self.worker: Wakeable | None = None  # the BatchWorker, once the model is loaded

@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from storage.db import Database
+from storage.replicas import ReplicaStore
 from storage.threads import THREAD_DAYS, ThreadError, ThreadStore
 from tests.api.conftest import API_KEY, MODEL
 
@@ -43,6 +44,27 @@ def test_a_message_is_continued_once(store_target):
         rows = db.call(lambda: [json.loads(r["messages"]) for r in db.conn.query(
             "select messages from message_threads order by id")])
         assert rows == [turn, more]  # each turn's part once, not the conversation again
+    finally:
+        db.close()
+
+
+def test_a_live_replicas_continuation_is_its_own_until_it_goes(store_target):
+    db = Database(store_target)
+    try:
+        a, b = ReplicaStore(db, "a"), ReplicaStore(db, "b")
+        db.call(a.beat)
+        db.call(b.beat)
+        on_a, on_b = ThreadStore(db, a), ThreadStore(db, b)
+        turn = [{"role": "user", "content": "Hi"}]
+        db.call(on_a.put, "alice", "msg_1", None, turn)
+        db.call(on_a.claim, "alice", "msg_1", "msg_2")  # a is answering msg_2
+        assert db.call(on_b.release_unfinished) == 0  # b starting up leaves it alone
+        with pytest.raises(ThreadError, match="thread_continue_in_flight"):
+            db.call(on_b.claim, "alice", "msg_1", "msg_3")
+        db.call(lambda: db.conn.execute(  # a falls silent past the stale window
+            "update replicas set heartbeat_at = heartbeat_at - 31 where id = 'a'"))
+        assert db.call(on_b.release_unfinished) == 1
+        assert db.call(on_b.claim, "alice", "msg_1", "msg_3") == turn
     finally:
         db.close()
 
