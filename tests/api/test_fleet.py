@@ -267,6 +267,10 @@ def test_render_and_load_answer_what_a_router_asks(server):
     rendered = post(f"{server.url}/v1/completions/render", json={
         "model": MODEL, "prompt": [[5, 6, 7]]}).json()
     assert rendered == [{"token_ids": [5, 6, 7], "features": None}]
+    body = {"model": MODEL, "input": "Hello there", "instructions": "Be brief."}
+    rendered = post(f"{server.url}/v1/responses/render", json=body).json()
+    count = post(f"{server.url}/v1/responses/input_tokens", json=body).json()["input_tokens"]
+    assert rendered["features"] is None and len(rendered["token_ids"]) == count
     bad = post(f"{server.url}/v1/chat/completions/render", json={"model": MODEL})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"
     load = httpx.get(f"{server.url}/get_load", timeout=10).json()  # --policy power_of_two's

@@ -30,6 +30,7 @@ ROUTES = [
     Route("/v1/embeddings", embeddings.create_embeddings, methods=["POST"]),
     Route("/v1/responses", responses.create_response, methods=["POST"]),
     Route("/v1/responses/input_tokens", responses.count_input_tokens, methods=["POST"]),
+    Route("/v1/responses/render", render.render_response, methods=["POST"]),
     Route("/v1/responses/compact", responses.compact, methods=["POST"]),
     Route("/v1/responses/{response_id}", responses.get_response, methods=["GET"]),
     Route("/v1/responses/{response_id}", responses.delete_response, methods=["DELETE"]),

@@ -1,7 +1,7 @@
-"""POST /v1/chat/completions/render and /v1/completions/render, as vLLM serves them: the prompt's
-token ids a request would run, without running it. vLLM's router (vllm-router --policy
-cache_aware) asks a replica for them and routes on the ids, so requests sharing a prefix of
-tokens meet on the replica that has it cached (docs/fleet.md)."""
+"""POST /v1/chat/completions/render, /v1/completions/render and /v1/responses/render, as vLLM
+serves them: the prompt's token ids a request would run, without running it. vLLM's router
+(vllm-router --policy cache_aware) asks a replica for them and routes on the ids, so requests
+sharing a prefix of tokens meet on the replica that has it cached (docs/fleet.md)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from server.api.generation.pipeline import off_loop
 from server.api.generation.protocol import parse_chat, parse_completion
 from server.api.generation.turn import prompt_token_ids
 from server.api.openai.completions import tokenize_prompts
+from server.api.openai.responses import input_token_ids
 
 
 async def render_chat(request: Request) -> Response:
@@ -28,3 +29,9 @@ async def render_completion(request: Request) -> Response:
     state.check_model(req.model)
     prompts = await off_loop(tokenize_prompts, state.tokenizer, req.prompts)
     return JSONResponse([{"token_ids": ids, "features": None} for ids in prompts])
+
+
+async def render_response(request: Request) -> Response:
+    """A Responses body's prompt (its instructions, tools and previous_response_id's
+    conversation, read from the store every replica shares)."""
+    return JSONResponse({"token_ids": await input_token_ids(request), "features": None})

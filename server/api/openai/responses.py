@@ -22,7 +22,7 @@ from server.api.admission import Admission, admit, read_request
 from server.api.auth import tenant
 from server.api.errors import APIError, invalid
 from server.api.generation.pipeline import with_max_tokens, with_model_defaults
-from server.api.generation.turn import Turn, count_prompt_tokens, start_turn
+from server.api.generation.turn import Turn, count_prompt_tokens, prompt_token_ids, start_turn
 from server.api.openai import background, conversations
 from server.api.openai.response_run import ResponseRun
 from server.api.openai.responses_protocol import (
@@ -64,6 +64,12 @@ async def count_input_tokens(request: Request) -> Response:
     """POST /v1/responses/input_tokens: the input tokens a response to this body would take
     (instructions, previous_response_id's conversation and tools included), without running
     it. `model` may be left out, as OpenAI allows."""
+    count = len(await input_token_ids(request))
+    return JSONResponse({"object": "response.input_tokens", "input_tokens": count})
+
+
+async def input_token_ids(request: Request) -> list[int]:
+    """The prompt a response to the request's body would run (`model` may be left out)."""
     def parse(body: Any, vocab_size: int) -> ResponsesRequest:
         if isinstance(body, dict) and body.get("model") is None:
             body = body | {"model": state.served_name}
@@ -74,8 +80,7 @@ async def count_input_tokens(request: Request) -> Response:
     state.check_model(req.model)
     system, conversation = await _conversation(state, req, tenant(request))
     chat = replace(req.chat, messages=system + conversation)
-    count = await count_prompt_tokens(state, chat, "input")
-    return JSONResponse({"object": "response.input_tokens", "input_tokens": count})
+    return await prompt_token_ids(state, chat, "input")
 
 
 async def get_response(request: Request) -> Response:
