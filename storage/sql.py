@@ -12,7 +12,8 @@ import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-# '...' literals pass through; ? and :name become psycopg's %s / %(name)s, a bare % is doubled
+# ? and :name become psycopg's %s / %(name)s outside '...' literals; every % is doubled (psycopg
+# reads one even inside a literal)
 _TOKEN = re.compile(r"'(?:[^']|'')*'|\?|(?<!:):([A-Za-z_]\w*)|%")
 
 
@@ -21,7 +22,7 @@ def to_pyformat(sql: str) -> str:
     def swap(m: re.Match[str]) -> str:
         token = m.group(0)
         if token.startswith("'"):
-            return token
+            return token.replace("%", "%%")
         if token == "?":
             return "%s"
         if token == "%":

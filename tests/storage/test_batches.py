@@ -13,6 +13,7 @@ from storage.db import Database
 from storage.files import FileStore
 from storage.replicas import ReplicaStore
 from storage.responses import ResponseStore
+from storage.sql import to_pyformat
 from tests.helpers import database_at_version
 
 FIELDS = {"endpoint": "/v1/chat/completions", "input_file_id": "file-in",
@@ -148,3 +149,12 @@ def test_a_version_5_database_gains_the_model_and_status_columns(tmp_path):
         assert db.call(me.fail_orphaned, {"code": "x", "message": "y"}) == 1
     finally:
         db.close()
+
+
+def test_sqlite_placeholders_become_psycopgs():
+    assert to_pyformat("select * from t where a = ? and b = :name") == \
+        "select * from t where a = %s and b = %(name)s"
+    # inside a literal nothing is a placeholder, and % is doubled everywhere
+    assert to_pyformat("select '?:x%' as s, a % 2 from t where c like 'a%' and d = ?") == \
+        "select '?:x%%' as s, a %% 2 from t where c like 'a%%' and d = %s"
+    assert to_pyformat("select 'it''s ?' where e = ?") == "select 'it''s ?' where e = %s"
