@@ -32,7 +32,10 @@ async def join(state: ServerState) -> None:
 
 
 async def heartbeat(state: ServerState) -> None:
-    """Until cancelled: beat, and take over from replicas gone silent."""
+    """Until cancelled: beat, and take over from replicas gone silent. A SQLite file has no
+    other replicas (its lock): nothing to do, and no write every few seconds."""
+    if not state.db.postgres:
+        return
     replica = state.replica
     while True:
         await asyncio.sleep(replica.stale_seconds / BEATS_PER_WINDOW)
