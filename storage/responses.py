@@ -44,3 +44,18 @@ class ResponseStore:
         with self.db.transaction() as db:
             return db.execute("delete from responses where id = ? and tenant = ?",
                               [response_id, tenant]) > 0
+
+    def request_cancel(self, tenant: str, response_id: str) -> None:
+        """Ask the replica generating a background response to stop it (a fleet's: the
+        request came to another one); the replica sees it in `cancels_asked`."""
+        with self.db.transaction() as db:
+            db.execute("update responses set cancel_requested = ? where id = ? and tenant = ? "
+                       "and status in ('queued', 'in_progress')",
+                       [int(time.time()), response_id, tenant])
+
+    def cancels_asked(self, response_ids: list[str]) -> list[str]:
+        """Those of `response_ids` (running here) that another replica was asked to cancel."""
+        marks = ", ".join("?" * len(response_ids))
+        rows = self.db.conn.query(f"select id from responses where id in ({marks}) and "
+                                  "cancel_requested is not null", response_ids)
+        return [row["id"] for row in rows]

@@ -38,7 +38,7 @@ TABLES = {
              "prompt_tokens bigint, completion_tokens bigint, cached_tokens bigint, "
              "primary key (day, tenant, kind, model)",
     "responses": "id text primary key, tenant text, created_at bigint, response text, "
-                 "conversation text, status text, replica text",
+                 "conversation text, status text, replica text, cancel_requested bigint",
     "conversations": "id text primary key, tenant text, created_at bigint, metadata text, "
                      "items text",
     "chat_completions": "id text primary key, tenant text, created_at bigint, model text, "
@@ -62,6 +62,7 @@ ADDED = (
     ("batch_lines", "claimed_at", "bigint", None),
     ("responses", "status", "text", "json_extract(response, '$.status')"),
     ("responses", "replica", "text", None),
+    ("responses", "cancel_requested", "bigint", None),
     ("message_threads", "continued_on", "text", None),
 )
 INDEXES = (

@@ -125,6 +125,7 @@ def create_app(settings: ServerSettings, state: ServerState | None = None) -> St
 
         await fleet.join(state)  # what a crash left unfinished: nothing generates it now
         beats = asyncio.create_task(fleet.heartbeat(state))
+        cancels = asyncio.create_task(background.follow_cancels(state))
         task = asyncio.create_task(load())
         sampler = asyncio.create_task(dashboard.sample_throughput(state))
         reaper = asyncio.create_task(state.held.run_reaper())
@@ -137,6 +138,7 @@ def create_app(settings: ServerSettings, state: ServerState | None = None) -> St
         if state.worker is not None:
             await state.worker.stop()
         beats.cancel()
+        cancels.cancel()
         await fleet.leave(state)
         await state.flush_usage()
         await state.held.close()

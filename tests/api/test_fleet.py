@@ -156,6 +156,8 @@ def test_a_batch_cancelled_through_one_replica_stops_on_both(fleet):
 
 def test_a_background_response_is_its_replicas_until_that_one_is_gone(fleet, tiny_home,
                                                                      tmp_path):
+    """Its replica generates it: a third replica starting leaves it alone, a cancel through
+    another replica reaches it, and once its replica is killed it is stored failed."""
     a, b = fleet
     r = client(a).responses.create(model=MODEL, input="Say anything", background=True,
                                    **ENDLESS)
@@ -166,6 +168,9 @@ def test_a_background_response_is_its_replicas_until_that_one_is_gone(fleet, tin
         assert client(third).responses.retrieve(r.id).status in ("queued", "in_progress")
     finally:
         third.stop()
+    cancelled = client(b).responses.create(model=MODEL, input="Say more", background=True,
+                                           **ENDLESS)  # generated on b
+    assert client(a).responses.cancel(cancelled.id).status == "cancelled"  # through a
     a.signal(signal.SIGKILL)
     a.proc.wait(10)
     deadline = time.monotonic() + 60

@@ -31,6 +31,10 @@ from server.api.state import ServerState
 
 UNFINISHED = ("queued", "in_progress")
 KEEP_SECONDS = 600  # a finished response's events, for followers (OpenAI keeps ~10 minutes)
+# A cancel that reached another replica of a fleet: how often the replica generating the
+# response looks for it, and how long the cancelling request waits to see it stored
+CANCEL_POLL_SECONDS = 1.0
+CANCEL_WAIT_SECONDS = 15.0
 SHUTDOWN = STOPPED
 
 
@@ -141,6 +145,36 @@ async def stop(state: ServerState, response_id: str) -> None:
         await asyncio.wait([bg.task])
 
 
+async def follow_cancels(state: ServerState) -> None:
+    """Until cancelled, on a fleet's store: stop the background responses running here that a
+    client cancelled through another replica (ResponseStore.request_cancel), looking once a
+    second while any runs."""
+    while state.db.postgres:
+        await asyncio.sleep(CANCEL_POLL_SECONDS)
+        running = [rid for rid, bg in state.background.items() if bg.ended_at is None]
+        if not running:
+            continue
+        try:
+            asked = await state.db.run(state.responses.cancels_asked, running)
+        except Exception as e:  # noqa: BLE001 - the store is away: look again later
+            log.warning("looking for cancelled responses failed: %s", e)
+            continue
+        for response_id in asked:
+            await stop(state, response_id)
+
+
+async def wait_ended(state: ServerState, owner: str, response_id: str) -> dict[str, Any]:
+    """The stored response once it has ended (its replica stopped it), or as it is after
+    CANCEL_WAIT_SECONDS."""
+    deadline = time.monotonic() + CANCEL_WAIT_SECONDS
+    while True:
+        found = await state.db.run(state.responses.get, owner, response_id)
+        if found is None or found[0]["status"] not in UNFINISHED \
+                or time.monotonic() > deadline:
+            return found[0] if found else {}
+        await asyncio.sleep(0.1)
+
+
 async def stop_all(state: ServerState) -> None:
     """Server shutdown: every running background response is stored failed."""
     tasks = [bg.task for bg in state.background.values() if bg.task and not bg.task.done()]
@@ -160,8 +194,9 @@ def follow_stream(request: Request, state: ServerState, response: dict[str, Any]
         raise invalid("stream", "Only a response created with background=true can be "
                       "streamed from GET.")
     if bg is None:  # (the caller found the response this key's)
-        raise invalid("stream", f"The events of response '{response['id']}' are no longer "
-                      f"kept (for {KEEP_SECONDS} s after it ends, while the server runs); "
-                      "GET it without 'stream' for the response.")
+        raise invalid("stream", f"The events of response '{response['id']}' are not kept "
+                      f"on this server (the server generating a response keeps them until "
+                      f"{KEEP_SECONDS} s after it ends); GET it without 'stream' for the "
+                      "response.")
     state.acquire()
     return sse_response(bg.follow(after), state.release, "responses")

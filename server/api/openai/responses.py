@@ -97,15 +97,20 @@ async def get_response(request: Request) -> Response:
 
 async def cancel_response(request: Request) -> Response:
     """POST /v1/responses/{id}/cancel: a background response that has not ended stops and is
-    stored `cancelled`; one that ended comes back as it is; other responses cannot be."""
+    stored `cancelled` (by the replica generating it, on a fleet); one that ended comes back
+    as it is; other responses cannot be."""
     state: ServerState = request.app.state.server
     owner, response_id = tenant(request), request.path_params["response_id"]
     response, _ = await _stored(state, owner, response_id, None)
     if not response.get("background"):
         raise invalid(None, "Only responses created with background=true can be cancelled.")
-    if response["status"] in background.UNFINISHED:  # so running here (a start fails others)
+    if response["status"] in background.UNFINISHED and response_id in state.background:
         await background.stop(state, response_id)
         response, _ = await _stored(state, owner, response_id, None)
+    elif response["status"] in background.UNFINISHED and state.db.postgres:  # another
+        # replica of the fleet generates it: asked through the store, it stores it cancelled
+        await state.db.run(state.responses.request_cancel, owner, response_id)
+        response = await background.wait_ended(state, owner, response_id) or response
     return JSONResponse(response)
 
 
