@@ -29,6 +29,8 @@ async def join(state: ServerState) -> None:
         await state.db.run(replica.alone)
     await state.db.run(replica.beat)
     await _take_over(state)
+    if state.db.postgres:
+        log.info("store: PostgreSQL at %s, as replica %s", state.db.describe(), replica.id)
 
 
 async def heartbeat(state: ServerState) -> None:
