@@ -19,7 +19,7 @@ from typing import Any
 
 from storage.db import Database
 from storage.files import FileStore, idempotent_hit, remember
-from storage.replicas import ReplicaStore
+from storage.replicas import LIVE, ReplicaStore
 from storage.sql import Conn
 
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
@@ -172,10 +172,9 @@ class BatchStore:
         with self.db.transaction(serializable=False) as db:
             rows = db.query(
                 "select custom_id, line, body from batch_lines where batch_id = ? and state = "
-                "'pending' and (claimed_by is null or claimed_by = ? or claimed_by not in "
-                f"(select id from replicas where heartbeat_at >= ?)) order by {first}model, "
-                f"line limit ?{lock}", [batch_id, replica.id, replica.live_after(), *loaded,
-                                        limit + len(skip)])
+                f"'pending' and (claimed_by is null or claimed_by = ? or claimed_by not in {LIVE}) "
+                f"order by {first}model, line limit ?{lock}",
+                [batch_id, replica.id, replica.live_after(), *loaded, limit + len(skip)])
             rows = [r for r in rows if r["custom_id"] not in skip][:limit]
             now = int(time.time())
             db.executemany("update batch_lines set claimed_by = ?, claimed_at = ? where "

@@ -1,14 +1,14 @@
 """The servers sharing a store (several on one PostgreSQL database; one on a SQLite file), known
 by their heartbeats. A replica whose heartbeat is older than the stale window is gone: the batch
-lines it had claimed are free for the others (storage/batches.py claims them), and the
-background responses it was generating are stored failed, since nothing generates them now.
+lines it had claimed are free for the others (storage/batches.py claims them), the background
+responses it was generating are stored failed (storage/responses.py), since nothing generates
+them now, and the thread continuations it was answering are given back (storage/threads.py).
 
 Every method runs on the database thread (call it through Database.run / Database.call).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import socket
@@ -19,6 +19,8 @@ from storage.db import Database
 
 STALE_SECONDS = 30.0  # a replica silent this long is gone (--stale-seconds)
 FORGET_AFTER = 24 * 3600  # a gone replica's row is deleted after this
+# The live replicas' ids, for a query that is given ReplicaStore.live_after() for the ?
+LIVE = "(select id from replicas where heartbeat_at >= ?)"
 
 
 def new_replica_id() -> str:
@@ -65,19 +67,8 @@ class ReplicaStore:
                                   "heartbeat_at >= ? order by started_at, id",
                                   [self.live_after()])
 
-    def fail_orphaned(self, error: dict[str, str]) -> int:
-        """Store failed, with `error`, every background response (queued or in progress) whose
-        replica is gone, and forget replicas gone for a day. Returns the responses failed."""
-        with self.db.transaction() as db:
-            rows = db.query(
-                "select id, tenant, response from responses where status in ('queued', "
-                "'in_progress') and (replica is null or replica not in (select id from "
-                "replicas where heartbeat_at >= ?))", [self.live_after()])
-            for row in rows:
-                response = json.loads(row["response"]) | {"status": "failed", "error": error}
-                db.execute("update responses set response = ?, status = 'failed' where id = ? "
-                           "and tenant = ?", [json.dumps(response, ensure_ascii=False),
-                                              row["id"], row["tenant"]])
+    def forget_gone(self) -> None:
+        """Delete the rows of replicas gone for a day."""
+        with self.db.transaction(serializable=False) as db:
             db.execute("delete from replicas where heartbeat_at < ?",
                        [int(time.time()) - FORGET_AFTER])
-        return len(rows)

@@ -1,7 +1,8 @@
 """Stored responses of the Responses API (`store`, default true): the response object as it was
 answered, and the conversation it ends (its input and output as chat messages), which a later
 request continues with `previous_response_id`. Per tenant, like files and batches. A background
-response names the replica generating it (storage/replicas.py fails it if that one dies).
+response names the replica generating it: once that one is gone (storage/replicas.py), it is
+stored failed.
 
 Every method runs on the database thread (call it through Database.run / Database.call).
 """
@@ -13,12 +14,13 @@ import time
 from typing import Any
 
 from storage.db import Database
+from storage.replicas import LIVE, ReplicaStore
 
 
 class ResponseStore:
-    def __init__(self, db: Database, replica_id: str | None = None) -> None:
+    def __init__(self, db: Database, replica: ReplicaStore | None = None) -> None:
         self.db = db
-        self.replica_id = replica_id  # the replica generating the background responses put
+        self.replica = replica  # this server's: it generates the background responses it puts
 
     def put(self, tenant: str, response: dict[str, Any], conversation: list[dict[str, Any]]
             ) -> None:
@@ -27,7 +29,8 @@ class ResponseStore:
                 "id": response["id"], "tenant": tenant, "created_at": int(time.time()),
                 "response": json.dumps(response, ensure_ascii=False),
                 "conversation": json.dumps(conversation, ensure_ascii=False),
-                "status": response.get("status"), "replica": self.replica_id},
+                "status": response.get("status"),
+                "replica": self.replica and self.replica.id},
                 replace_on=("id",))
 
     def get(self, tenant: str, response_id: str
@@ -59,3 +62,18 @@ class ResponseStore:
         rows = self.db.conn.query(f"select id from responses where id in ({marks}) and "
                                   "cancel_requested is not null", response_ids)
         return [row["id"] for row in rows]
+
+    def fail_orphaned(self, error: dict[str, str]) -> int:
+        """Store failed, with `error`, every background response (queued or in progress) whose
+        replica is gone (all of them without a replica store). Returns how many."""
+        live_after = self.replica.live_after() if self.replica else 1 << 62
+        with self.db.transaction() as db:
+            rows = db.query("select id, tenant, response from responses where status in "
+                            f"('queued', 'in_progress') and (replica is null or replica not in "
+                            f"{LIVE})", [live_after])
+            for row in rows:
+                response = json.loads(row["response"]) | {"status": "failed", "error": error}
+                db.execute("update responses set response = ?, status = 'failed' where id = ? "
+                           "and tenant = ?", [json.dumps(response, ensure_ascii=False),
+                                              row["id"], row["tenant"]])
+        return len(rows)

@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 from storage.db import Database
-from storage.replicas import ReplicaStore
+from storage.replicas import LIVE, ReplicaStore
 
 THREAD_DAYS = 30
 
@@ -88,8 +88,8 @@ class ThreadStore:
             return db.execute(
                 "update message_threads set continued_by = null, continued_on = null where "
                 "continued_by is not null and continued_by not in (select id from "
-                "message_threads) and (continued_on is null or continued_on not in (select id "
-                "from replicas where heartbeat_at >= ?))", [live_after])
+                f"message_threads) and (continued_on is null or continued_on not in {LIVE})",
+                [live_after])
 
     @staticmethod
     def _row(db: Any, tenant: str, message_id: str) -> dict[str, Any]:

@@ -36,7 +36,7 @@ class PostgresServer:
         if self.as_user:
             pw = pwd.getpwnam(self.as_user)
             os.chown(self.root, pw.pw_uid, pw.pw_gid)
-        self.port = _free_port()
+        self.port = free_port()
         self.proc: subprocess.Popen | None = None
         self._run([str(self.bin / "initdb"), "-D", str(self.root / "data"), "-A", "trust",
                    "-U", "postgres", "-E", "UTF8", "--no-sync"])
@@ -100,7 +100,8 @@ class PostgresServer:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on the loopback nobody listens on now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -52,10 +52,11 @@ async def _take_over(state: ServerState) -> None:
     """What replicas gone silent left: their background responses stored failed, the thread
     continuations they were answering given back (the batch lines they claimed need nothing:
     the next claim takes them)."""
-    failed = await state.db.run(state.replica.fail_orphaned, STOPPED)
+    failed = await state.db.run(state.responses.fail_orphaned, STOPPED)
     if failed:
         log.info("%d background responses of a stopped server stored failed", failed)
     await state.db.run(state.threads.release_unfinished)
+    await state.db.run(state.replica.forget_gone)
 
 
 async def leave(state: ServerState) -> None:

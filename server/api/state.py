@@ -148,7 +148,7 @@ class ServerState:
         self.files = FileStore(self.db, home / "files")
         self.batches = BatchStore(self.db, self.files)
         self.replica = ReplicaStore(self.db, new_replica_id(), settings.stale_seconds)
-        self.responses = ResponseStore(self.db, self.replica.id)
+        self.responses = ResponseStore(self.db, self.replica)
         self.conversations = ConversationStore(self.db)
         self.chat_completions = ChatCompletionStore(self.db)
         self.threads = ThreadStore(self.db, self.replica)

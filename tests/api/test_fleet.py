@@ -9,7 +9,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ from tests.api.batch.test_batches import chat_line, read_lines, submit, wait
 from tests.api.conftest import MODEL
 from tests.api.openai.test_background_responses import ENDLESS
 from tests.api.server import ServerProcess, home_with_models, wait_healthy
+from tests.postgres import free_port
 
 STALE = "2"  # seconds: a killed replica's lines are taken over quickly
 # docs/fleet.md's router flags: a replica that fails a request is skipped at once (its circuit
@@ -200,12 +200,6 @@ class Router:
     def stop(self) -> None:
         self.proc.kill()
         self.proc.wait(10)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ask(router: Router, text: str) -> tuple[str, int]:

@@ -76,17 +76,17 @@ def test_a_live_replicas_claims_are_its_own_until_it_goes(store):
 
 
 def test_a_gone_replicas_background_responses_are_stored_failed(store):
-    replica(store, "a")
-    b = replica(store, "b")
+    on_a = ResponseStore(store.db, replica(store, "a"))
+    on_b = ResponseStore(store.db, replica(store, "b"))
     call = store.db.call
-    call(ResponseStore(store.db, "a").put, "t", {"id": "resp_a", "status": "in_progress"}, [])
-    call(ResponseStore(store.db, "b").put, "t", {"id": "resp_b", "status": "queued"}, [])
-    call(ResponseStore(store.db, "a").put, "t", {"id": "resp_done", "status": "completed"}, [])
+    call(on_a.put, "t", {"id": "resp_a", "status": "in_progress"}, [])
+    call(on_b.put, "t", {"id": "resp_b", "status": "queued"}, [])
+    call(on_a.put, "t", {"id": "resp_done", "status": "completed"}, [])
     error = {"code": "server_error", "message": "gone"}
-    assert call(b.fail_orphaned, error) == 0  # a lives: its response is its own
+    assert call(on_b.fail_orphaned, error) == 0  # a lives: its response is its own
     call(lambda: store.db.conn.execute("update replicas set heartbeat_at = heartbeat_at - 31 "
                                        "where id = 'a'"))
-    assert call(b.fail_orphaned, error) == 1
+    assert call(on_b.fail_orphaned, error) == 1
     got = call(ResponseStore(store.db).get, "t", "resp_a")[0]
     assert got == {"id": "resp_a", "status": "failed", "error": error}
     assert call(ResponseStore(store.db).get, "t", "resp_b")[0]["status"] == "queued"
@@ -146,7 +146,7 @@ def test_a_version_5_database_gains_the_model_and_status_columns(tmp_path):
         store = BatchStore(db, FileStore(db, tmp_path / "files"))
         me = replica(store, "me")
         assert claimed(store, batch_id, me, loaded=("b",)) == ["l1", "l0"]
-        assert db.call(me.fail_orphaned, {"code": "x", "message": "y"}) == 1
+        assert db.call(ResponseStore(db, me).fail_orphaned, {"code": "x", "message": "y"}) == 1
     finally:
         db.close()
 

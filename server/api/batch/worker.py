@@ -55,10 +55,8 @@ class BatchWorker:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        tasks = [t for lines in self.running.values() for t in lines.values()]
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        for batch_id in list(self.running):
+            await self._stop_lines(batch_id)
 
     @property
     def num_running(self) -> int:
@@ -243,21 +241,22 @@ class BatchWorker:
             self.running.get(batch["id"], {}).pop(custom_id, None)
             self.wake.set()
 
+    async def _stop_lines(self, batch_id: str) -> None:
+        """Cancel the batch's lines running here and wait for them (they stay pending)."""
+        tasks = list(self.running.pop(batch_id, {}).values())
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
     async def _drop_ended(self, active: set[str]) -> None:
         """Stop the lines of batches that ended elsewhere (cancelled or expired through another
         replica): their results could no longer be stored."""
         for batch_id in [b for b in self.running if b not in active]:
-            tasks = list(self.running.pop(batch_id).values())
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await self._stop_lines(batch_id)
 
     async def _close(self, batch: dict[str, Any], final: str, code: str, message: str) -> None:
         """Cancel or expire: stop its running lines, close the rest, write what finished."""
-        tasks = list(self.running.pop(batch["id"], {}).values())
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._stop_lines(batch["id"])
         db = self.state.db
         await db.run(self.store.close_pending, batch["id"], final, code, message)
         await db.run(self.store.finalize, batch["id"], final)

@@ -26,17 +26,16 @@ async def health(request: Request) -> Response:
     return JSONResponse({"status": "ok", "model": state.served_name} | auth)
 
 
-def _engine_stats(state: ServerState) -> list[tuple[str, dict]]:
-    """Each loaded model's name and engine stats."""
-    loaded = [state, *state.held.views.values()] if state.engine is not None else []
-    return [(view.served_name, view.engine.stats()) for view in loaded]
+def _loaded(state: ServerState) -> list[ServerState]:
+    """The loaded models' views (none while the first loads)."""
+    return [state, *state.held.views.values()] if state.engine is not None else []
 
 
 async def get_load(request: Request) -> Response:
     """GET /get_load, as SGLang's and vLLM's routers read it (`--policy power_of_two` sends a
     request to the less loaded of two replicas): sequences in the engines, running and
     waiting, over every loaded model."""
-    stats = [s for _, s in _engine_stats(request.app.state.server)]
+    stats = [view.engine.stats() for view in _loaded(request.app.state.server)]
     running = sum(s["num_running"] for s in stats)
     waiting = sum(s["num_waiting"] for s in stats)
     return JSONResponse({"load": running + waiting, "num_reqs": running,
@@ -45,8 +44,8 @@ async def get_load(request: Request) -> Response:
 
 async def prometheus(request: Request) -> Response:
     state: ServerState = request.app.state.server
-    engines = _engine_stats(state)
-    loaded = [state, *state.held.views.values()] if state.engine is not None else []
+    loaded = _loaded(state)
+    engines = [(view.served_name, view.engine.stats()) for view in loaded]
     requests = [(view.served_name, view.metrics) for view in loaded] or [
         (state.served_name, state.metrics)]
     return PlainTextResponse(metrics.render(requests, engines, state.held.routed),
