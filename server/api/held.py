@@ -197,6 +197,9 @@ class HeldModels:
         self.views: dict[str, ModelView] = {}
         self.turns = StepTurns()  # every held engine's step lock, the first's included
         self._loading: dict[str, asyncio.Lock] = {}
+        # a model was let go: collect and give memory back once more at the reaper's next round,
+        # for a reference to its engine that outlived the let-go by a moment
+        self._collect_again = False
         self.room_wait = ROOM_WAIT
         self.routed: Counter[tuple[str, str]] = Counter()  # (route, answering model) requests
 
@@ -316,6 +319,7 @@ class HeldModels:
         view.engine = None  # its weights and KV pool go with it
         del view
         await asyncio.to_thread(_give_back_memory)
+        self._collect_again = True
         log.info("model %s let go %s", name, why)
 
     async def unload(self, name: str) -> None:
@@ -383,6 +387,9 @@ class HeldModels:
         while True:
             await asyncio.sleep(1.0)
             try:
+                if self._collect_again:
+                    self._collect_again = False
+                    await asyncio.to_thread(_give_back_memory)
                 await self.reap(self.state.settings.keep_alive)
             except Exception:  # noqa: BLE001 - the next round tries again
                 log.exception("letting go of idle models failed")
