@@ -61,6 +61,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0,
                    help="draws the prompts and lengths (default 0); a second run with the "
                         "same seed against one server finds its prompts in the prefix cache")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="requests sent one at a time before the first level, not counted "
+                        "(default 1: a fresh server's first request pays one-time costs)")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     p.add_argument("--plot", type=Path, default=None, help="write a PNG here (matplotlib)")
     p.add_argument("--label", default=None, help="name of this server in the outputs")
@@ -72,6 +75,8 @@ def run(args: argparse.Namespace) -> int:
     for flag in ("prompt_tokens", "output_tokens"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be at least 1")
+    if args.warmup < 0:
+        raise ValueError("--warmup must be at least 0")
     if not 0 <= args.jitter < 1:
         raise ValueError("--jitter must be within 0..1")
     if not 0 <= args.temperature <= 2:
@@ -112,6 +117,12 @@ async def _bench(args: argparse.Namespace, levels: list[int]) -> dict[str, Any]:
                "arrival": args.arrival, "prompt_tokens": args.prompt_tokens,
                "output_tokens": args.output_tokens, "sampling": _sampling(args),
                "levels": []}
+        if args.warmup:  # prompts of their own: the measured ones stay out of the cache
+            warm_rng = random.Random(f"warmup-{args.seed}")
+            results = [await _one(http, model, *_job(warm_rng, args, prefix))
+                       for _ in range(args.warmup)]
+            out["warmup"] = {"requests": len(results),
+                             "errors": sum(r.error is not None for r in results)}
         for c in levels:
             n = args.requests or max(8, args.per_client * c)
             jobs = [_job(rng, args, prefix) for _ in range(n)]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import httpx
+
 from cli.main import main
 from tests.api.conftest import API_KEY, MODEL
 
@@ -22,6 +24,32 @@ def test_bench_reports_every_level(server, tmp_path, capsys):
         assert lv["ttft"]["p50"] <= lv["ttft"]["p95"] <= lv["ttft"]["p99"]
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "tok/s" in capsys.readouterr().out
+
+
+def finished_by_length(server) -> float:
+    text = httpx.get(f"{server.url}/metrics", headers=server.headers).text
+    return sum(float(x.rsplit(" ", 1)[1]) for x in text.splitlines()
+               if x.startswith("localserve:request_success_total")
+               and 'finished_reason="length"' in x)
+
+
+def test_bench_warms_up_outside_the_numbers(server, tmp_path):
+    """--warmup N: N requests reach the server before the first level; the report counts only
+    the levels' own (and says how the warm-up went)."""
+    out_json = tmp_path / "bench.json"
+    before = finished_by_length(server)
+    assert main(["bench", "--url", server.url, "--api-key", API_KEY, "--concurrency", "2",
+                 "--requests", "2", "--prompt-tokens", "10", "--output-tokens", "4",
+                 "--warmup", "3", "--jitter", "0", "--json", str(out_json)]) == 0
+    report = json.loads(out_json.read_text())
+    assert report["warmup"] == {"requests": 3, "errors": 0}
+    [level] = report["levels"]
+    assert level["requests"] == 2 and level["output_tokens"] == 2 * 4
+    assert finished_by_length(server) - before == 5  # ignore_eos: every one ends by length
+    assert main(["bench", "--url", server.url, "--api-key", API_KEY, "--concurrency", "1",
+                 "--requests", "1", "--output-tokens", "2", "--warmup", "0", "--json",
+                 str(out_json)]) == 0
+    assert "warmup" not in json.loads(out_json.read_text())
 
 
 def test_bench_errors_are_counted_not_fatal(server, tmp_path):
@@ -47,6 +75,7 @@ def test_bench_samples_when_asked(server, tmp_path):
 def test_bench_bad_flags(capsys):
     assert main(["bench", "--concurrency", "0"]) == 1
     assert "--concurrency" in capsys.readouterr().err
-    for flag, value in (("--temperature", "-1"), ("--top-p", "0"), ("--top-p", "1.5")):
+    for flag, value in (("--warmup", "-1"), ("--temperature", "-1"), ("--top-p", "0"),
+                        ("--top-p", "1.5")):
         assert main(["bench", flag, value]) == 1
         assert flag in capsys.readouterr().err
