@@ -3,6 +3,8 @@ reference, on tiny random models."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -81,6 +83,29 @@ def test_mixed_batch_equals_each_sequence_alone():
     torch.testing.assert_close(logits[0], solo[0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(logits[1], solo[1], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(logits[2:], solo[2], atol=1e-5, rtol=1e-5)
+
+
+def test_a_decode_step_lays_out_its_decodes_as_a_mixed_step_does():
+    """build_metadata's path for steps of decodes only gives the tensors the general path gives
+    those decodes in a step with a prompt chunk after them: positions, cache slots (a window
+    pool's dropped blocks, -1, read the zero slot), mask, lengths."""
+    rng = random.Random(0)
+    for _ in range(50):
+        block, b = rng.choice([8, 16, 32]), rng.randint(1, 12)
+        lens = [rng.randint(1, 300) for _ in range(b)]
+        # each table a block longer than needed; some blocks before the last dropped (-1)
+        tables = [[-1 if rng.random() < 0.3 and i < (n - 1) // block else blk
+                   for i, blk in enumerate(rng.sample(range(500), -(-n // block) + 1))]
+                  for n in lens]
+        alone = build_metadata([1] * b, lens, tables, block, CPU)
+        mixed = build_metadata([1] * b + [4], lens + [10], tables + [[7, 8]], block, CPU,
+                               prompt_lens=[0] * b + [4])
+        assert torch.equal(alone.positions, mixed.positions[:b])
+        assert torch.equal(alone.slot_mapping, mixed.slot_mapping[:b])
+        [ours], theirs = alone.groups, mixed.groups[0]
+        assert ours.whole_step and not theirs.whole_step and ours.fp32 == theirs.fp32
+        for name in ("token_index", "context_slots", "mask", "valid", "dest", "lens"):
+            assert torch.equal(getattr(ours, name), getattr(theirs, name)), name
 
 
 def dequantized_reference(hf, bits: int, group_size: int = 64):
