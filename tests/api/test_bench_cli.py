@@ -26,6 +26,13 @@ def test_bench_reports_every_level(server, tmp_path, capsys):
     assert "tok/s" in capsys.readouterr().out
 
 
+def bench(server, out_json, *flags: str, api_key: str = API_KEY) -> dict:
+    """`localserve bench` against the server with these flags: its JSON report."""
+    assert main(["bench", "--url", server.url, "--api-key", api_key, *flags, "--json",
+                 str(out_json)]) == 0
+    return json.loads(out_json.read_text())
+
+
 def finished_by_length(server) -> float:
     text = httpx.get(f"{server.url}/metrics", headers=server.headers).text
     return sum(float(x.rsplit(" ", 1)[1]) for x in text.splitlines()
@@ -38,35 +45,28 @@ def test_bench_warms_up_outside_the_numbers(server, tmp_path):
     the levels' own (and says how the warm-up went)."""
     out_json = tmp_path / "bench.json"
     before = finished_by_length(server)
-    assert main(["bench", "--url", server.url, "--api-key", API_KEY, "--concurrency", "2",
-                 "--requests", "2", "--prompt-tokens", "10", "--output-tokens", "4",
-                 "--warmup", "3", "--jitter", "0", "--json", str(out_json)]) == 0
-    report = json.loads(out_json.read_text())
+    report = bench(server, out_json, "--concurrency", "2", "--requests", "2", "--prompt-tokens",
+                   "10", "--output-tokens", "4", "--warmup", "3", "--jitter", "0")
     assert report["warmup"] == {"requests": 3, "errors": 0}
     [level] = report["levels"]
     assert level["requests"] == 2 and level["output_tokens"] == 2 * 4
     assert finished_by_length(server) - before == 5  # ignore_eos: every one ends by length
-    assert main(["bench", "--url", server.url, "--api-key", API_KEY, "--concurrency", "1",
-                 "--requests", "1", "--output-tokens", "2", "--warmup", "0", "--json",
-                 str(out_json)]) == 0
-    assert "warmup" not in json.loads(out_json.read_text())
+    assert "warmup" not in bench(server, out_json, "--concurrency", "1", "--requests", "1",
+                                 "--output-tokens", "2", "--warmup", "0")
 
 
 def test_bench_errors_are_counted_not_fatal(server, tmp_path):
     out_json = tmp_path / "bench.json"
-    assert main(["bench", "--url", server.url, "--api-key", "wrong", "--model", MODEL,
-                 "--concurrency", "2", "--requests", "2", "--json", str(out_json)]) == 0
-    [level] = json.loads(out_json.read_text())["levels"]
+    [level] = bench(server, out_json, "--model", MODEL, "--concurrency", "2", "--requests", "2",
+                    api_key="wrong")["levels"]
     assert level["errors"] == 2 and "401" in level["first_error"]
 
 
 def test_bench_samples_when_asked(server, tmp_path):
     """--temperature / --top-p go into every request (the default is greedy)."""
     out_json = tmp_path / "bench.json"
-    assert main(["bench", "--url", server.url, "--api-key", API_KEY, "--concurrency", "2",
-                 "--requests", "2", "--prompt-tokens", "10", "--output-tokens", "6",
-                 "--temperature", "0.8", "--top-p", "0.9", "--json", str(out_json)]) == 0
-    report = json.loads(out_json.read_text())
+    report = bench(server, out_json, "--concurrency", "2", "--requests", "2", "--prompt-tokens",
+                   "10", "--output-tokens", "6", "--temperature", "0.8", "--top-p", "0.9")
     assert report["sampling"] == {"temperature": 0.8, "top_p": 0.9}
     [level] = report["levels"]
     assert level["errors"] == 0 and level["output_tokens"] > 0
