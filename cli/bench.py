@@ -263,8 +263,11 @@ def _ms(x: float | None) -> str:
 
 
 def _print(report: dict[str, Any]) -> None:
+    warm = report.get("warmup")
+    warmed = (f", after {warm['requests']} warm-up request{'s' * (warm['requests'] > 1)} "
+              f"({warm['errors']} failed)" if warm else "")
     print(f"{report['label']} ({report['model']}), {report['prompt_tokens']} prompt / "
-          f"{report['output_tokens']} output tokens, {report['arrival']} arrivals")
+          f"{report['output_tokens']} output tokens, {report['arrival']} arrivals{warmed}")
     print("clients  requests  errors   tok/s   TTFT p50/p95/p99 ms     ITL p50/p95/p99 ms    "
           "e2e p50/p95/p99 ms")
     for lv in report["levels"]:

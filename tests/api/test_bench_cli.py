@@ -40,7 +40,7 @@ def finished_by_length(server) -> float:
                and 'finished_reason="length"' in x)
 
 
-def test_bench_warms_up_outside_the_numbers(server, tmp_path):
+def test_bench_warms_up_outside_the_numbers(server, tmp_path, capsys):
     """--warmup N: N requests reach the server before the first level; the report counts only
     the levels' own (and says how the warm-up went)."""
     out_json = tmp_path / "bench.json"
@@ -51,6 +51,7 @@ def test_bench_warms_up_outside_the_numbers(server, tmp_path):
     [level] = report["levels"]
     assert level["requests"] == 2 and level["output_tokens"] == 2 * 4
     assert finished_by_length(server) - before == 5  # ignore_eos: every one ends by length
+    assert "after 3 warm-up requests (0 failed)" in capsys.readouterr().out
     assert "warmup" not in bench(server, out_json, "--concurrency", "1", "--requests", "1",
                                  "--output-tokens", "2", "--warmup", "0")
 
