@@ -15,6 +15,8 @@ invariance holds.
 from __future__ import annotations
 
 import ctypes
+import threading
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -137,6 +139,10 @@ class DecodePlan:
         self.ops, self.gemm_lib = layer_ops._lib(), cpu_gemm.checked()
         self.max_group_count = max([m.in_features // m.group_size for la in layers for m in (
             la.qkv, la.o, la.gate_up, la.down) if isinstance(m, Int4Linear)], default=1)
+        # per thread and (dtype, widen): scratch for the most rows a step has asked, whose
+        # prefixes serve smaller steps (the C step reads pointers only); and the pools' pointers
+        self._scratch: dict[tuple, tuple[int, list[torch.Tensor]]] = {}
+        self._pools: tuple | None = None
 
     @staticmethod
     def build(model: nn.Module) -> DecodePlan | None:
@@ -222,24 +228,16 @@ class DecodePlan:
         has it."""
         t, h, dt = x.shape[0], self.hidden, x.dtype
         bf16 = dt == torch.bfloat16
-        nq, nkv = self.hq * self.d, self.hkv * self.d
         # fp32 compute with kernels that take bf16 only (avx512_gemm.c, amx_gemm.c): the int4
         # and int8 layers round x to bf16 and widen their bf16 outputs (int4.py, int8.py)
         widen = not bf16 and not cpu_gemm.takes_fp32(self.gemm_lib)
-        width = max(h, nq + 2 * nkv, 2 * self.inter) if widen else 0
-        buffers = [x.new_empty(t, n) for n in (h, h, nq + 2 * nkv, nq, nq, 2 * self.inter,
-                                               self.inter)]
-        buffers += [torch.empty(t * width, dtype=torch.bfloat16) for _ in range(2)]
-        buffers.append(torch.empty(t * self.max_group_count, dtype=torch.float32))
         scale = rope.query_scale.contiguous() if rope.query_scale is not None else None
         kept, tables, contexts = self._inputs(rope, local, batch.attention)
-        caches = (ctypes.c_void_p * (2 * len(kv_caches)))(
-            *[c.data_ptr() for pair in kv_caches for c in pair])
-        slots = (ctypes.c_int64 * len(kv_caches))(*[k.shape[1] for k, _ in kv_caches])
+        caches, slots = self._pool_pointers(kv_caches)
         step = _Step(
             t, h, self.inter, self.hq, self.hkv, self.d, bf16,
             kv_caches[0][0].dtype == torch.bfloat16, self.act, widen, self.eps, self.scale,
-            self.residual_multiplier, x.data_ptr(), *(b.data_ptr() for b in buffers),
+            self.residual_multiplier, x.data_ptr(), *self._buffers(t, dt, widen),
             None if scale is None else scale.data_ptr(),
             *(tuple(tables[key][i] for key in _ROPES) for i in range(3)),
             *(tuple(contexts[w][i] for w in self.windows) for i in range(4)),
@@ -250,6 +248,35 @@ class DecodePlan:
             raise RuntimeError("a CPU kernel declined a decode step it was planned for")
         del kept
         return x
+
+    def _buffers(self, t: int, dtype: torch.dtype, widen: bool) -> list[int]:
+        """The step's scratch for t rows, as pointers: x-sized, normed, q|k|v, q, attention,
+        gate|up, activation (dtype); two bf16 copies where it widens; the int4 group sums."""
+        key = (threading.get_ident(), dtype, widen)
+        rows, kept = self._scratch.get(key, (0, []))
+        if rows < t:
+            width = max(self.hidden, self.hq * self.d + 2 * self.hkv * self.d,
+                        2 * self.inter) if widen else 0
+            nq = self.hq * self.d
+            kept = [torch.empty(t, n, dtype=dtype) for n in (
+                self.hidden, self.hidden, nq + 2 * self.hkv * self.d, nq, nq, 2 * self.inter,
+                self.inter)]
+            kept += [torch.empty(t * width, dtype=torch.bfloat16) for _ in range(2)]
+            kept.append(torch.empty(t * self.max_group_count, dtype=torch.float32))
+            self._scratch[key] = (t, kept)
+        return [b.data_ptr() for b in kept]
+
+    def _pool_pointers(self, kv_caches) -> tuple:
+        """The KV pools' pointers and slot counts as the step takes them, built again only for
+        another list of pools (a runner allocates its list once and never changes it; the
+        first pool is held weakly, so a new list in a freed one's place is told apart)."""
+        key = (id(kv_caches), len(kv_caches))
+        if self._pools is None or self._pools[0] != key or self._pools[1]() is not kv_caches[0][0]:
+            caches = (ctypes.c_void_p * (2 * len(kv_caches)))(
+                *[c.data_ptr() for pair in kv_caches for c in pair])
+            slots = (ctypes.c_int64 * len(kv_caches))(*[k.shape[1] for k, _ in kv_caches])
+            self._pools = (key, weakref.ref(kv_caches[0][0]), caches, slots)
+        return self._pools[2], self._pools[3]
 
     def _int4(self, takes_bf16: bool) -> int | None:
         """The int4 GEMM the layers' modules call for rows of this dtype, as a pointer."""
