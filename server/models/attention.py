@@ -130,6 +130,7 @@ def build_metadata(
     generated tokens. Default: a one-token query is generated, a longer one all prompt."""
     if prompt_lens is None:
         prompt_lens = [0 if q == 1 else q for q in query_lens]
+    # one decode group where layer_ops.paged_decode attends (fp32 at every length), else two
     cpu_ops = torch.device(device).type == "cpu" and layer_ops.enabled()
     low_precision = dtype in (torch.bfloat16, torch.float16) and not cpu_ops
     if not low_precision and not any(prompt_lens) and len(query_lens) == sum(query_lens):
@@ -147,7 +148,6 @@ def build_metadata(
     block_of_token = tables[seq_of_token, positions // block_size]
     slot_mapping = block_of_token * block_size + positions % block_size
 
-    # (layer_ops.paged_decode attends in fp32 at every length: one decode group is enough)
     in_place = layer_ops.prompt_positions() if torch.device(device).type == "cpu" else 0
     decode: dict[bool, list[tuple[int, int, int]]] = {True: [], False: []}
     groups = []

@@ -139,9 +139,9 @@ class DecodePlan:
         self.ops, self.gemm_lib = layer_ops._lib(), cpu_gemm.checked()
         self.max_group_count = max([m.in_features // m.group_size for la in layers for m in (
             la.qkv, la.o, la.gate_up, la.down) if isinstance(m, Int4Linear)], default=1)
-        # per thread and (dtype, widen): scratch for the most rows a step has asked, whose
+        # per (thread, dtype, widen): scratch for the most rows a step has asked, whose
         # prefixes serve smaller steps (the C step reads pointers only); and the pools' pointers
-        self._scratch: dict[tuple, tuple[int, list[torch.Tensor]]] = {}
+        self._scratch: dict[tuple, tuple[int, list[torch.Tensor], list[int]]] = {}
         self._pools: tuple | None = None
 
     @staticmethod
@@ -253,18 +253,19 @@ class DecodePlan:
         """The step's scratch for t rows, as pointers: x-sized, normed, q|k|v, q, attention,
         gate|up, activation (dtype); two bf16 copies where it widens; the int4 group sums."""
         key = (threading.get_ident(), dtype, widen)
-        rows, kept = self._scratch.get(key, (0, []))
-        if rows < t:
-            width = max(self.hidden, self.hq * self.d + 2 * self.hkv * self.d,
-                        2 * self.inter) if widen else 0
-            nq = self.hq * self.d
+        rows, _, pointers = self._scratch.get(key, (0, None, None))
+        if rows < t:  # (and the scratch of threads gone since goes)
+            alive = {thread.ident for thread in threading.enumerate()}
+            self._scratch = {k: v for k, v in self._scratch.items() if k[0] in alive}
+            nq, nkv = self.hq * self.d, self.hkv * self.d
+            width = max(self.hidden, nq + 2 * nkv, 2 * self.inter) if widen else 0
             kept = [torch.empty(t, n, dtype=dtype) for n in (
-                self.hidden, self.hidden, nq + 2 * self.hkv * self.d, nq, nq, 2 * self.inter,
-                self.inter)]
+                self.hidden, self.hidden, nq + 2 * nkv, nq, nq, 2 * self.inter, self.inter)]
             kept += [torch.empty(t * width, dtype=torch.bfloat16) for _ in range(2)]
             kept.append(torch.empty(t * self.max_group_count, dtype=torch.float32))
-            self._scratch[key] = (t, kept)
-        return [b.data_ptr() for b in kept]
+            pointers = [b.data_ptr() for b in kept]
+            self._scratch[key] = (t, kept, pointers)
+        return pointers
 
     def _pool_pointers(self, kv_caches) -> tuple:
         """The KV pools' pointers and slot counts as the step takes them, built again only for
