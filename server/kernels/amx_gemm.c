@@ -187,8 +187,7 @@ int amx_gemm_available(void) {
 int amx_int4_gemm(const uint16_t *x, const uint8_t *packed, uint16_t *y, float *xsum, int64_t m,
                   int64_t n, int64_t k, int64_t group, int64_t int8_from) {
     if (amx_state != 1 || group % CHUNK)
-        return amx_state == 1 ? avx512_int4_gemm(x, packed, y, xsum, m, n, k, group, int8_from)
-                              : 1;
+        return amx_state == 1 ? avx512_int4_gemm(x, packed, y, xsum, m, n, k, group, n) : 1;
     if (n % 32 || k % group) return 1;
     if (m == 0) return 0;  /* (a tile of 0 rows is not a valid configuration) */
     int64_t groups = k / group, blocks = n / 32;

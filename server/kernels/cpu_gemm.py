@@ -1,5 +1,6 @@
 """Our CPU kernels for int4 and int8 layers: amx_gemm.c on CPUs with AMX (tile products for the
-sums, avx512_gemm.c's code around them), avx512_gemm.c on AMD's AVX-512 BF16 CPUs (vdpbf16ps),
+sums, avx512_gemm.c's code around them), avx512_gemm.c on AMD's AVX-512 BF16 CPUs (vdpbf16ps;
+int8 activations through vpdpbusd for the layers `int8_outputs_from` names),
 avx2_gemm.c on AVX2 + FMA ones (vpmaddwd, activations as int16 per group; where the CPU has
 AVX-512 VNNI, its vpdpwssd path, and where it has AVX-VNNI without AVX-512, VEX vpdpwssd on the
 AVX2 path: the same bits faster), Intel's with AVX-512 BF16 but no AMX included (kinds_for);
@@ -161,8 +162,8 @@ def takes_fp32(lib=None) -> bool:
 def gemm(x: torch.Tensor, packed: torch.Tensor, group: int, lib=None,
          int8_from: int | None = None) -> torch.Tensor | None:
     """x [M, K] @ the layer -> [M, N] in x's dtype (bf16, or fp32 where takes_fp32); None if
-    the kernel declines. fp32 x on plain AVX2: outputs int8_from.. take x as int8 per group of
-    32 (`int8_outputs_from`; None: none)."""
+    the kernel declines. Where the kernel has the path (`int8_path`): outputs int8_from.. take x
+    as int8 per group of 32 (`int8_outputs_from`; None: none)."""
     lib = lib or checked()
     m, k = x.shape
     n = packed.shape[0] * BLOCK
@@ -238,7 +239,7 @@ def source_in_use() -> str | None:
 
 def variant(lib) -> str | None:
     """avx2_gemm.c's VNNI path built into `lib` (vnni_path), or which layers take int8
-    activations where it has that path (plain AVX2: `activations_asked`), else None."""
+    activations where it has that path (`int8_path`, `activations_asked`), else None."""
     path = vnni_path(lib)
     if path or not int8_path(lib):
         return path
@@ -273,7 +274,7 @@ def of_kind(kind: str):
 
 
 ACTIVATIONS = ("mixed", "int16", "int8")
-# "mixed": the layers (by their last name) whose inputs plain AVX2 keeps in int16. Measured one
+# "mixed": the layers (by their last name) whose inputs keep the exact path. Measured one
 # layer kind at a time (docs/architecture.md): int8 inputs to q/k/v alone cost as much as int8
 # everywhere (6 of 16 greedy answers whole), to o, gate/up and down together far less.
 INT16_LAYERS = ("qkv_proj", "q_proj", "k_proj", "v_proj")
@@ -281,10 +282,10 @@ _warned: set[str] = set()
 
 
 def activations_asked() -> str:
-    """int4 layers' activations on plain AVX2 (avx2_gemm.c without a VNNI path), per group:
-    "mixed" (the default) int16 for q/k/v and int8 for the rest, "int16" for all (as every
-    other path's, exact to 2^-16 of the group's largest) or "int8" for all
-    (LOCALSERVE_ACTIVATIONS; what each costs and gains: docs/architecture.md)."""
+    """int4 layers' activations where the kernel has an int8 path (`int8_path`: plain AVX2,
+    AVX-512 BF16 with VNNI), per group: "mixed" (the default) the exact path for q/k/v (int16
+    on AVX2, bf16 on AVX-512 BF16) and int8 for the rest, "int16" the exact path for all, or
+    "int8" for all (LOCALSERVE_ACTIVATIONS; what each costs: benchmarks/RESULTS.md)."""
     asked = os.environ.get("LOCALSERVE_ACTIVATIONS", "mixed")
     if asked not in ACTIVATIONS:
         if asked not in _warned:
@@ -295,16 +296,17 @@ def activations_asked() -> str:
 
 
 def int8_outputs_from(name: str, n: int, group: int) -> int:
-    """The first of int4 layer `name`'s n outputs whose inputs plain AVX2 takes as int8
-    (`activations_asked`): 0 (all) or n (none). Other kernels take none whatever it is."""
+    """The first of int4 layer `name`'s n outputs whose inputs take int8 where the kernel has
+    the path (`activations_asked`): 0 (all) or n (none). Other kernels ignore it."""
     asked = activations_asked()
     int16 = asked == "int16" or (asked == "mixed" and name.rpartition(".")[2] in INT16_LAYERS)
     return n if int16 or group != 32 else 0
 
 
 def int8_path(lib) -> bool:
-    """Whether `lib` (avx2_gemm.c) can take int4 layers' activations as int8 (plain AVX2)."""
-    return hasattr(lib, "avx2_gemm_a8") and lib.avx2_gemm_a8() == 1
+    """Whether `lib` can take int4 layers' activations as int8: avx2_gemm.c on plain AVX2,
+    avx512_gemm.c where the CPU has AVX-512 VNNI (`gemm_a8`; the AMX library has none)."""
+    return hasattr(lib, "gemm_a8") and lib.gemm_a8() == 1
 
 
 def typed(lib):
@@ -317,8 +319,8 @@ def typed(lib):
     lib.int8_gemm.argtypes = [_P] * 4 + [_I] * 3 + [ctypes.c_int]
     lib.int4_gemm.argtypes = [_P] * 4 + [_I] * 5
     lib.int4_unpack_q4x32.argtypes = [_P] * 2 + [_I] * 5
-    if hasattr(lib, "avx2_gemm_a8"):
-        lib.avx2_gemm_a8.restype, lib.avx2_gemm_a8.argtypes = ctypes.c_int, []
+    if hasattr(lib, "gemm_a8"):
+        lib.gemm_a8.restype, lib.gemm_a8.argtypes = ctypes.c_int, []
     if hasattr(lib, "int4_gemm_f32"):  # avx2_gemm.c
         lib.int4_gemm_f32.restype = lib.int8_gemm_f32.restype = ctypes.c_int
         lib.int4_gemm_f32.argtypes = [_P] * 4 + [_I] * 5
@@ -353,12 +355,12 @@ def _self_check(lib) -> str | None:
                    for i in range(37)):
             return "rows"
         if group == 32 and int8_path(lib):  # the outputs from 32 on with int8 inputs
-            x32 = x.float()
-            y8, y16 = gemm(x32, layout, group, lib, 32), gemm(x32, layout, group, lib)
+            xk = x.float() if takes_fp32(lib) else x
+            y8, y16 = gemm(xk, layout, group, lib, 32), gemm(xk, layout, group, lib)
             if y8 is None or not torch.equal(y8[:, :32], y16[:, :32]) or not torch.allclose(
-                    y8, want, rtol=2e-2, atol=2e-2 * want.std()):
+                    y8.float(), want, rtol=2e-2, atol=2e-2 * want.std()):
                 return "int8 inputs"
-            if not all(torch.equal(y8[i:i + 1], gemm(x32[i:i + 1], layout, group, lib, 32))
+            if not all(torch.equal(y8[i:i + 1], gemm(xk[i:i + 1], layout, group, lib, 32))
                        for i in range(37)):
                 return "int8 input rows"
     q = torch.randint(-127, 128, (96, 320), generator=g, dtype=torch.int8)

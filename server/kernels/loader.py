@@ -72,7 +72,7 @@ def library(sources: Path | Sequence[Path]) -> ctypes.CDLL | None:
 class Kernels:
     """A built library's functions by their common names: with `prefix` "amx_", `int4_gemm` is
     `amx_int4_gemm` (the AMX library also holds avx512_gemm.c's `avx512_*`), and names the
-    library exports as they are (`avx2_gemm_a8`) are found as they are."""
+    library exports as they are (`avx2_gemm_wide`) are found as they are."""
 
     def __init__(self, lib: ctypes.CDLL, prefix: str = "") -> None:
         self._lib, self._prefix = lib, prefix

@@ -419,6 +419,51 @@ def test_plain_avx2_takes_int8_activations_for_the_outputs_asked(tmp_path):
     assert not cpu_gemm.int8_path(vex)
 
 
+@pytest.mark.skipif(not {"avx512_bf16", "avx512bw", "avx512_vnni", "avx2", "fma",
+                          "f16c"} <= FLAGS, reason="needs AVX-512 BF16 and VNNI")
+def test_avx512_int8_activations_give_the_avx2_schemes_bits(tmp_path):
+    """avx512_gemm.c's int8-activation path (vpdpbusd, passes of 6 rows) gives bit for bit what
+    avx2_gemm.c's plain-AVX2 path (built for Haswell) gives for the same bf16 inputs and
+    int8_from: the same int8 rounding, exact int32 sums and fp32 steps. The outputs before
+    int8_from keep its bf16-activation bits; each row's numbers are its own; groups of 64 keep
+    bf16 activations; other int8_from values are refused. The AMX library has no such path."""
+    from server.kernels import cpu_gemm
+
+    lib, haswell = cpu_gemm.of_kind("avx512_bf16"), build_avx2_gemm(tmp_path, "-march=haswell")[0]
+    assert cpu_gemm.int8_path(lib) and cpu_gemm.int8_path(haswell)
+    torch.manual_seed(9)
+    w = torch.randn(128, 256) * 0.05
+    w[:, 7] *= 20
+    q, scale, zero = quantize_int4(w, 32)
+    layout = cpu_gemm.pack_int4(q, scale, zero, 32)
+    x = torch.randn(26, 256)
+    x[:, 40] *= 30
+    x = x.bfloat16()
+    exact = cpu_gemm.gemm(x, layout, 32, lib)
+    assert torch.equal(exact, cpu_gemm.gemm(x, layout, 32, lib, int8_from=128))
+    for m in (1, 5, 6, 7, 12, 13, 26):
+        for start in (0, 32, 96):
+            y = cpu_gemm.gemm(x[:m], layout, 32, lib, int8_from=start)
+            assert torch.equal(y[:, start:], cpu_gemm.gemm(x[:m], layout, 32, haswell,
+                                                           int8_from=start)[:, start:]), (m, start)
+            assert torch.equal(y[:, :start], exact[:m, :start]), (m, start)
+            assert all(torch.equal(y[i:i + 1], cpu_gemm.gemm(x[i:i + 1], layout, 32, lib,
+                                                              int8_from=start))
+                       for i in range(m)), (m, start)
+    want = int8_activation_reference(x.float(), q, scale, zero)
+    y = cpu_gemm.gemm(x, layout, 32, lib, int8_from=0)
+    assert torch.allclose(y.double(), want, rtol=1e-2, atol=1e-2 * want.abs().max())
+    assert not torch.equal(y, exact)
+    for bad in (16, -32, 160):
+        assert cpu_gemm.gemm(x, layout, 32, lib, int8_from=bad) is None, bad
+    q64, s64, z64 = quantize_int4(w, 64)
+    layout64 = cpu_gemm.pack_int4(q64, s64, z64, 64)
+    assert torch.equal(cpu_gemm.gemm(x, layout64, 64, lib, int8_from=0),
+                       cpu_gemm.gemm(x, layout64, 64, lib))
+    if "amx" in KERNEL_KINDS:
+        assert not cpu_gemm.int8_path(cpu_gemm.of_kind("amx"))
+
+
 def test_which_layers_take_int8_activations(monkeypatch, caplog):
     """LOCALSERVE_ACTIVATIONS: "mixed" by default (q/k/v int16, the rest int8), "int16" or
     "int8" for all; a bad value is said once and gives the default. Groups other than 32 never
