@@ -259,3 +259,11 @@ def test_kernel_kinds_reads_engine_throughputs_row():
     assert kinds.throughput_row(out) == ("float32", [216.0, 981.0])
     with pytest.raises(ValueError):
         kinds.throughput_row("no table\n")
+
+
+def test_kernel_kinds_refuses_a_kind_or_setting_it_cannot_run(monkeypatch):
+    kinds = load_script("kernel_kinds")
+    for bad in (["--kinds", "sparc"], ["--activations", "mixed,fp4"]):
+        monkeypatch.setattr("sys.argv", ["kernel_kinds.py", "m:int4", *bad])
+        with pytest.raises(SystemExit, match=bad[1]):
+            kinds.main()
