@@ -9,6 +9,7 @@
  * fixed tree (sum_lanes): the same instructions for a row whatever rows share the call, so rows
  * are independent. Blocks of DENSE_ROWS rows x DENSE_COLS outputs share their loads. */
 
+#define _GNU_SOURCE /* syscall() in unistd.h under -std=c11 (AMX state, below) */
 #include <stdint.h>
 #include <string.h>
 
@@ -153,12 +154,153 @@ static inline __attribute__((always_inline)) void packed_block(
 }
 #endif
 
+/* On CPUs with AMX (Intel Sapphire Rapids on), once packed_gemm_tiles(1) is granted: the same
+ * packed weight is AMX's own B-tile order (16 input pairs x 16 outputs x 2 in 1 KB), so a
+ * chunk of 32 inputs is one tile load a block of 16 outputs, and one TDPBF16PS adds 16 rows x
+ * 16 outputs x 32 inputs. Tiles 0-3 hold the sums (row tile t, output block h at 2t + h), 4-5
+ * rows of x, 6-7 weights; a pass is 32 rows x 32 outputs. Each output's sum is its chunks in
+ * order, each chunk's 16 pairs in the instruction's fixed order, whatever rows share the tile
+ * (tile rows are computed independently; a call of fewer than 16 rows sets its tiles to that
+ * many rows, which changes no row's sums), so rows stay independent. Layers whose k is not a
+ * multiple of 32 take the vdpbf16ps passes above, at every row count. */
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) \
+    && defined(__linux__)
+#include <stdlib.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define PACKED_TILES 1
+#ifndef AHEAD_T
+#define AHEAD_T 64 /* inputs ahead: 1.0-1.3x at 1-32 rows, noisy */
+#endif
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+static void tiles_configure(int64_t m) {
+    tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        c.colsb[t] = 64;
+        c.rows[t] = t < 6 && m < 16 ? (uint8_t)m : 16;
+    }
+    _tile_loadconfig(&c);
+}
+
+/* gcc's _tile_loadd names no memory: the barrier keeps the padded rows' copy before it. */
+#define tile_load(t, base, stride) \
+    do { __asm__ volatile("" ::: "memory"); _tile_loadd(t, base, stride); } while (0)
+
+/* Rows [0, r) (r <= 32, row stride k) of xp against one or two blocks of 16 outputs (w1 NULL:
+ * one), each block's packed weight [k / 2][16][2]. */
+static void tiles_pass(const uint16_t *xp, int64_t k, const uint16_t *w0, const uint16_t *w1,
+                       void *y, int64_t n, int r, int y_f32, int first) {
+    __attribute__((aligned(64))) float sums[4][16][16];
+    const int two = r > 16;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t c = 0; c < k; c += 32) {
+        if (AHEAD_T && first && c + AHEAD_T < k) {  /* a little faster, noisy */
+            for (int l = 0; l < 1024; l += 64) {
+                _mm_prefetch((const char *)(w0 + (c + AHEAD_T) * 16) + l, _MM_HINT_T0);
+                if (w1) _mm_prefetch((const char *)(w1 + (c + AHEAD_T) * 16) + l, _MM_HINT_T0);
+            }
+        }
+        tile_load(6, w0 + c * 16, 64);
+        if (w1) tile_load(7, w1 + c * 16, 64);
+        tile_load(4, xp + c, k * 2);
+        _tile_dpbf16ps(0, 4, 6);
+        if (w1) _tile_dpbf16ps(1, 4, 7);
+        if (two) {
+            tile_load(5, xp + 16 * k + c, k * 2);
+            _tile_dpbf16ps(2, 5, 6);
+            if (w1) _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    _tile_stored(0, sums[0], 64);
+    if (w1) _tile_stored(1, sums[1], 64);
+    if (two) {
+        _tile_stored(2, sums[2], 64);
+        if (w1) _tile_stored(3, sums[3], 64);
+    }
+    const size_t yes = y_f32 ? 4 : 2;
+    for (int i = 0; i < r; i++)
+        for (int h = 0; h < 1 + (w1 != NULL); h++) {
+            __m512 v = _mm512_load_ps(sums[2 * (i / 16) + h][i % 16]);
+            char *yo = (char *)y + (i * n + h * 16) * yes;
+            if (y_f32)
+                _mm512_storeu_ps((float *)yo, v);
+            else
+                _mm256_storeu_si256((__m256i *)yo, (__m256i)_mm512_cvtneps_pbh(v));
+        }
+}
+
+static int packed_gemm_tiles_(const uint16_t *x, const uint16_t *w, void *y, int64_t m,
+                              int64_t n, int64_t k, int y_f32) {
+    if (m == 0) return 0;  /* (a tile of 0 rows is not a valid configuration) */
+    const uint16_t *xp = x;
+    uint16_t *padded = NULL;
+    if (m > 16 && m % 16) {  /* whole row tiles to load: zero rows after m */
+        int64_t rows = (m + 15) / 16 * 16;
+        padded = aligned_alloc(64, (size_t)((rows * k * 2 + 63) / 64 * 64));
+        if (!padded) return 1;
+        memcpy(padded, x, (size_t)(m * k * 2));
+        memset(padded + m * k, 0, (size_t)((rows - m) * k * 2));
+        xp = padded;
+    }
+    const int64_t blocks = n / 16, pairs = (blocks + 1) / 2;
+    const size_t yes = y_f32 ? 4 : 2;
+    #pragma omp parallel if (pairs >= 4 && m * n * k >= (1 << 18))
+    {
+        tiles_configure(m);
+        #pragma omp for schedule(static)
+        for (int64_t b = 0; b < pairs; b++) {
+            const uint16_t *w0 = w + 2 * b * 16 * k;
+            const uint16_t *w1 = 2 * b + 1 < blocks ? w0 + 16 * k : NULL;
+            for (int64_t i = 0; i < m; i += 32) {
+                const int r = m - i < 32 ? (int)(m - i) : 32;
+                tiles_pass(xp + i * k, k, w0, w1, (char *)y + (i * n + 2 * b * 16) * yes, n,
+                           r, y_f32, i == 0);
+            }
+        }
+        _tile_release();
+    }
+    free(padded);
+    return 0;
+}
+#endif
+
+static int tiles_on;  /* AMX tiles granted and asked for (packed_gemm_tiles) */
+
+/* on 1: take AMX tiles from now on where this build and the OS allow (Linux's arch_prctl
+ * ARCH_REQ_XCOMP_PERM, asked once); 0: the vdpbf16ps passes; -1: only ask. Set once at load,
+ * before any call (a process's layers must keep one kernel). Returns whether tiles are on. */
+int packed_gemm_tiles(int on) {
+#if defined(PACKED_TILES)
+    static int granted = -1;
+    if (on == 1 && granted < 0) granted = syscall(SYS_arch_prctl, 0x1023 /* REQ_XCOMP_PERM */,
+                                                  18 /* XTILEDATA */) == 0;
+    if (on >= 0) tiles_on = on == 1 && granted == 1;
+#else
+    (void)on;
+#endif
+    return tiles_on;
+}
+
 /* x [m, k] bf16, w packed as above, y [m, n] bf16 (rounded to nearest even) or fp32 where
  * `y_f32`. n a multiple of 16 and k of 2, else (or without AVX-512 BF16) 1: nothing written. */
 int packed_gemm(const void *x, const void *w, void *y, int64_t m, int64_t n, int64_t k,
                 int y_f32) {
 #if defined(__AVX512BF16__)
     if (n % 16 || k % 2 || m < 0) return 1;
+#if defined(PACKED_TILES)
+    if (tiles_on && k % 32 == 0) return packed_gemm_tiles_(x, w, y, m, n, k, y_f32);
+#endif
     const int64_t pairs = k / 2, blocks = n / 16, groups = (blocks + 2) / 3;
     const size_t yes = y_f32 ? 4 : 2;
     #pragma omp parallel for schedule(static) if (m * n * k >= (1 << 18))

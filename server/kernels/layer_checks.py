@@ -77,18 +77,19 @@ def _check_act(ops, lib, dtype: torch.dtype, tol: float, g: torch.Generator) -> 
 
 def _check_packed(ops, lib, g: torch.Generator) -> str | None:
     """packed_mm against the fp32 product where this build has it, 80 outputs (a pass of 48,
-    one of 32) and 11 rows (a pass of 8, one of 3): each row alone the same bits as in the
-    batch, and bf16 outputs its fp32 ones rounded."""
+    one of 32; with AMX tiles two of 32, one of 16) and 37 rows (4 passes of 8, one of 5; with
+    tiles a pass of 32 and one of 5, padded): each row alone the same bits as in the batch, and
+    bf16 outputs its fp32 ones rounded."""
     w = torch.randn(80, 96, generator=g).bfloat16()
     packed = ops.pack_weight(w, lib)
     if packed is None:
         return None
-    x = torch.randn(11, 96, generator=g).bfloat16()
+    x = torch.randn(37, 96, generator=g).bfloat16()
     got, want = ops.packed_mm(x, packed, lib, fp32_out=True), x.float() @ w.float().t()
     if got is None or not torch.allclose(got, want, rtol=1e-4, atol=1e-3):
         return "packed_mm"
     if not all(torch.equal(got[i:i + 1], ops.packed_mm(x[i:i + 1], packed, lib, fp32_out=True))
-               for i in range(11)):
+               for i in range(37)):
         return "packed_mm rows"
     if not torch.equal(ops.packed_mm(x, packed, lib), got.bfloat16()):
         return "packed_mm bf16 out"

@@ -21,4 +21,5 @@ int dense_gemm(const void *x, const void *w, void *y, int64_t m, int64_t n, int6
                int x_bf16, int w_bf16, int y_f32);
 int packed_gemm(const void *x, const void *w, void *y, int64_t m, int64_t n, int64_t k,
                 int y_f32);
+int packed_gemm_tiles(int on);
 #endif

@@ -44,6 +44,7 @@ _SIGNATURES = {
                      ctypes.c_int],
     "dense_gemm": [_P, _P, _P, _I, _I, _I, ctypes.c_int, ctypes.c_int, ctypes.c_int],
     "packed_gemm": [_P, _P, _P, _I, _I, _I, ctypes.c_int],
+    "packed_gemm_tiles": [ctypes.c_int],
     "act_mul": [_P, _P, _P, _I, _I, _I, _I, ctypes.c_int, ctypes.c_int],
     "decode_step": [_P, _P, _I],
     "argmax_rows": [_P, _I, _I, _P],
@@ -63,7 +64,11 @@ def _open_checked():
 
 def _self_check(lib) -> str | None:
     """None if every function matches PyTorch within rounding and gives each row the same bits
-    alone and batched; else what failed (layer_checks.py)."""
+    alone and batched; else what failed (layer_checks.py). packed_gemm takes AMX tiles first
+    where int4 layers do (cpu_gemm's kind `amx`), so the check is of the kernel that runs."""
+    import server.kernels.cpu_gemm as cpu_gemm  # (its own library; no cycle)
+
+    lib.packed_gemm_tiles(int(cpu_gemm.KIND == "amx"))
     return layer_checks.self_check(sys.modules[__name__], lib)
 
 
@@ -230,10 +235,11 @@ def argmax(x: torch.Tensor, lib=None) -> torch.Tensor | None:
 
 def packs(lib=None) -> bool:
     """Whether unquantized bf16 layers take the packed kernel here (dense_gemm.c's
-    packed_gemm: a build for AVX-512 BF16). Not on AMX CPUs, whose prompt rows oneDNN's AMX
-    GEMM serves (their speed against this kernel not measured yet)."""
+    packed_gemm: a build for AVX-512 BF16; on AMX CPUs its tiles, where the OS grants them and
+    LOCALSERVE_CPU_KERNELS does not hold the machine to another kind: there dense_gemm and
+    oneDNN keep them, as before the tiles)."""
     lib = lib or _lib()
-    if lib is None or "amx_tile" in loader.cpu_flags():
+    if lib is None or ("amx_tile" in loader.cpu_flags() and not lib.packed_gemm_tiles(-1)):
         return False
     x = torch.zeros(1, 2, dtype=torch.bfloat16)
     return lib.packed_gemm(x.data_ptr(), x.data_ptr(), x.new_empty(16).data_ptr(), 0, 16, 2,

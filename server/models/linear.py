@@ -11,10 +11,11 @@ from server.quant.rows import GENERATED_TILE, RowSplit, rows_mm, tiled_mm
 
 class Linear(nn.Linear):
     """nn.Linear whose rows do not depend on each other. Where this machine's packed bf16
-    kernel takes the layer (pack(): AVX-512 BF16 without AMX), every row goes through it, prompt
-    and generated alike (each row the same instructions: 2-2.5x dense_gemm.c at 8-128 rows on
-    Zen 5). Otherwise, in an engine step prompt rows and generated rows each through a kernel of
-    their own (server/quant/rows.py); generated rows, and every row outside a step (the LM
+    kernel takes the layer (pack(): AVX-512 BF16; AMX tiles where granted), every row goes
+    through it, prompt and generated alike (each row the same instructions: 2-2.5x
+    dense_gemm.c at 8-128 rows on Zen 5, ~10x with AMX tiles at 32). Otherwise, in an engine
+    step prompt rows and generated rows each through a kernel of their own
+    (server/quant/rows.py); generated rows, and every row outside a step (the LM
     head's sampling rows, evaluation), through layer_ops.dense_mm where it takes the layer (it
     reads the weight in place: at one row 5-10x a GEMM in tiles), else in tiles of
     GENERATED_TILE rows. Which one is fixed by the layer's weight and this machine, never by

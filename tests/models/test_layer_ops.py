@@ -192,22 +192,24 @@ def test_dense_mm_matches_the_product_and_rows_are_independent(dtype, wdtype):
 
 
 PACKS = pytest.mark.skipif(not layer_ops.packs(), reason="the packed bf16 kernel needs "
-                           "AVX-512 BF16 (and serves where AMX does not)")
+                           "AVX-512 BF16 (on AMX CPUs, the OS's grant of AMX state)")
 
 
 @PACKS
 @pytest.mark.parametrize("n,k", [(16, 2), (48, 96), (80, 192), (1536, 576)])
 def test_packed_mm_matches_the_product_and_rows_are_independent(n, k):
-    """Blocks of 48 outputs and the tails of 32 and 16, passes of 8 rows and every tail."""
+    """Blocks of 48 outputs and the tails of 32 and 16, passes of 8 rows and every tail; with
+    AMX tiles (k a multiple of 32) passes of 32 rows x 32 outputs, a tail of 16 outputs, tiles
+    of fewer than 16 rows and padded tails of row tiles (k 2: the vdpbf16ps passes there)."""
     g = torch.Generator().manual_seed(5)
     w = torch.randn(n, k, generator=g).bfloat16()
-    x = torch.randn(29, k, generator=g).bfloat16()
+    x = torch.randn(41, k, generator=g).bfloat16()
     packed = layer_ops.pack_weight(w)
     wide = layer_ops.packed_mm(x, packed, fp32_out=True)
     torch.testing.assert_close(wide, x.float() @ w.float().t(), atol=1e-3, rtol=1e-4)
     got = layer_ops.packed_mm(x, packed)
     assert got.dtype == torch.bfloat16 and torch.equal(got, wide.bfloat16())
-    for m in (0, 1, 2, 3, 5, 7, 8, 9, 13, 16):
+    for m in (0, 1, 2, 3, 5, 7, 8, 9, 13, 16, 17, 31, 32, 33, 40):
         assert torch.equal(layer_ops.packed_mm(x[:m], packed), got[:m])
         assert torch.equal(layer_ops.packed_mm(x[m:m + 1], packed), got[m:m + 1])
 
