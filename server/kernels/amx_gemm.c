@@ -28,41 +28,14 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "amx_tiles.h"
 #include "avx512_gemm.h"
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AMX_TILE__) \
-    && defined(__AMX_BF16__) && defined(__linux__)
+#if defined(__AVX512BF16__) && defined(AMX_TILES) && defined(__AMX_BF16__)
 #include <stdlib.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
 
 /* Tiles: 0-3 sums (row tile t, output half h at 2t + h), 4-5 rows of x, 6-7 weights. */
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
-/* A call of m <= 16 rows sets the x and sum tiles to m rows (fewer rows to load, multiply
- * and store: 1.2x at one row); a row's sums are the same either way. */
-static void configure_tiles(int64_t m) {
-    tile_config c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        c.colsb[t] = 64;
-        c.rows[t] = t < 6 && m < 16 ? (uint8_t)m : 16;
-    }
-    _tile_loadconfig(&c);
-}
-
-/* gcc's _tile_loadd is an asm statement that names no memory: without this barrier the stores
- * of the weights it loads are dropped or moved past it. */
-#define tile_load(t, base, stride) \
-    do { __asm__ volatile("" ::: "memory"); _tile_loadd(t, base, stride); } while (0)
+static void configure_tiles(int64_t m) { configure_tiles_as(m, 64, 16); }
 
 #define CHUNK 32  /* inputs per tile product */
 #define TILE_ROWS 16
@@ -179,18 +152,25 @@ static int amx_state = -1;  /* -1 not asked yet, 0 refused, 1 granted */
 
 int amx_gemm_available(void) {
     if (amx_state < 0)
-        amx_state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+        amx_state = amx_permission();
     return amx_state;
 }
 
 /* As avx512_gemm.c's int4_gemm (same arguments and results but for the order of the sums). */
 int amx_int4_gemm(const uint16_t *x, const uint8_t *packed, uint16_t *y, float *xsum, int64_t m,
                   int64_t n, int64_t k, int64_t group, int64_t int8_from) {
+    if (int8_from < 0 || int8_from > n || int8_from % 32) return 1;
     if (amx_state != 1 || group % CHUNK)
-        return amx_state == 1 ? avx512_int4_gemm(x, packed, y, xsum, m, n, k, group, n) : 1;
+        return amx_state == 1 ? avx512_int4_gemm(x, packed, y, xsum, m, n, k, group, int8_from)
+                              : 1;
     if (n % 32 || k % group) return 1;
     if (m == 0) return 0;  /* (a tile of 0 rows is not a valid configuration) */
     int64_t groups = k / group, blocks = n / 32;
+    if (group == 32 && int8_from < n && avx512_gemm_a8()) {  /* int8 inputs: avx512_gemm.c's */
+        if (avx512_int4_gemm_a8(x, packed, y, m, n, k, int8_from / 32)) return 1;
+        blocks = int8_from / 32;
+        if (!blocks) return 0;
+    }
     group_sums(x, xsum, m, k, group);
     uint16_t *xp = padded_rows(x, m, k);
     if (!xp) return 1;
@@ -283,6 +263,9 @@ int amx_int8_gemm(const uint16_t *x, const int8_t *packed, const float *scale, v
     return 0;
 }
 
+/* 1 where int4_gemm's int8_from takes int8 inputs (avx512_gemm.c's vpdpbusd path). */
+int amx_gemm_a8(void) { return avx512_gemm_a8(); }
+
 #else
 
 int amx_gemm_available(void) { return 0; }
@@ -291,6 +274,8 @@ int amx_int4_gemm(const void *x, const void *packed, void *y, void *xsum, int64_
                   int64_t k, int64_t group, int64_t int8_from) {
     return 1;
 }
+
+int amx_gemm_a8(void) { return 0; }
 
 int amx_int8_gemm(const void *x, const void *packed, const void *scale, void *y, int64_t m,
                   int64_t n, int64_t k, int out_fp32) {

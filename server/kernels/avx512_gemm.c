@@ -318,8 +318,20 @@ int avx512_gemm_available(void) { return 1; }
 /* 1 where this build has the int8-activation path int4_gemm's int8_from asks for, else 0. */
 #ifdef A8_PATH
 int avx512_gemm_a8(void) { return 1; }
+
+/* The int8-activation outputs alone, blocks of 32 from `first` on (amx_gemm.c's int4_gemm:
+ * its tiles take the outputs before). */
+int avx512_int4_gemm_a8(const uint16_t *x, const uint8_t *packed, uint16_t *y, int64_t m,
+                        int64_t n, int64_t k, int64_t first) {
+    return gemm4_a8(x, packed, y, m, n, k, first);
+}
 #else
 int avx512_gemm_a8(void) { return 0; }
+
+int avx512_int4_gemm_a8(const uint16_t *x, const uint8_t *packed, uint16_t *y, int64_t m,
+                        int64_t n, int64_t k, int64_t first) {
+    return 1;
+}
 #endif
 
 #else

@@ -19,6 +19,9 @@ int avx512_int8_gemm(const uint16_t *x, const int8_t *packed, const float *scale
                      int64_t m, int64_t n, int64_t k, int out_fp32);
 int avx512_int4_unpack_q4x32(const uint8_t *packed, uint16_t *out, int64_t n, int64_t k,
                              int64_t group, int64_t k0, int64_t k1);
+int avx512_gemm_a8(void);
+int avx512_int4_gemm_a8(const uint16_t *x, const uint8_t *packed, uint16_t *y, int64_t m,
+                        int64_t n, int64_t k, int64_t first);
 
 #define GROUP_HEAD 128  /* bytes of scales and zeros before a group's nibbles */
 

@@ -305,7 +305,8 @@ def int8_outputs_from(name: str, n: int, group: int) -> int:
 
 def int8_path(lib) -> bool:
     """Whether `lib` can take int4 layers' activations as int8: avx2_gemm.c on plain AVX2,
-    avx512_gemm.c where the CPU has AVX-512 VNNI (`gemm_a8`; the AMX library has none)."""
+    avx512_gemm.c where the CPU has AVX-512 VNNI (`gemm_a8`; the AMX library hands those
+    outputs to it)."""
     return hasattr(lib, "gemm_a8") and lib.gemm_a8() == 1
 
 

@@ -13,6 +13,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "amx_tiles.h"
 #include "common.h"
 #include "layer_ops.h"
 #include "vectors.h"
@@ -163,36 +164,14 @@ static inline __attribute__((always_inline)) void packed_block(
  * (tile rows are computed independently; a call of fewer than 16 rows sets its tiles to that
  * many rows, which changes no row's sums), so rows stay independent. Layers whose k is not a
  * multiple of 32 take the vdpbf16ps passes above, at every row count. */
-#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) \
-    && defined(__linux__)
+#if defined(__AVX512BF16__) && defined(AMX_TILES) && defined(__AMX_BF16__)
 #include <stdlib.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #define PACKED_TILES 1
 #ifndef AHEAD_T
 #define AHEAD_T 64 /* inputs ahead: 1.0-1.3x at 1-32 rows, noisy */
 #endif
 
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
-static void tiles_configure(int64_t m) {
-    tile_config c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        c.colsb[t] = 64;
-        c.rows[t] = t < 6 && m < 16 ? (uint8_t)m : 16;
-    }
-    _tile_loadconfig(&c);
-}
-
-/* gcc's _tile_loadd names no memory: the barrier keeps the padded rows' copy before it. */
-#define tile_load(t, base, stride) \
-    do { __asm__ volatile("" ::: "memory"); _tile_loadd(t, base, stride); } while (0)
+static void tiles_configure(int64_t m) { configure_tiles_as(m, 64, 16); }
 
 /* Rows [0, r) (r <= 32, row stride k) of xp against one or two blocks of 16 outputs (w1 NULL:
  * one), each block's packed weight [k / 2][16][2]. */
@@ -283,8 +262,7 @@ static int tiles_on;  /* AMX tiles granted and asked for (packed_gemm_tiles) */
 int packed_gemm_tiles(int on) {
 #if defined(PACKED_TILES)
     static int granted = -1;
-    if (on == 1 && granted < 0) granted = syscall(SYS_arch_prctl, 0x1023 /* REQ_XCOMP_PERM */,
-                                                  18 /* XTILEDATA */) == 0;
+    if (on == 1 && granted < 0) granted = amx_permission();
     if (on >= 0) tiles_on = on == 1 && granted == 1;
 #else
     (void)on;

@@ -426,7 +426,8 @@ def test_avx512_int8_activations_give_the_avx2_schemes_bits(tmp_path):
     avx2_gemm.c's plain-AVX2 path (built for Haswell) gives for the same bf16 inputs and
     int8_from: the same int8 rounding, exact int32 sums and fp32 steps. The outputs before
     int8_from keep its bf16-activation bits; each row's numbers are its own; groups of 64 keep
-    bf16 activations; other int8_from values are refused. The AMX library has no such path."""
+    bf16 activations; other int8_from values are refused. The AMX library hands those outputs
+    to this path (the same bits) and keeps its tiles' bits for the outputs before."""
     from server.kernels import cpu_gemm
 
     lib, haswell = cpu_gemm.of_kind("avx512_bf16"), build_avx2_gemm(tmp_path, "-march=haswell")[0]
@@ -461,7 +462,16 @@ def test_avx512_int8_activations_give_the_avx2_schemes_bits(tmp_path):
     assert torch.equal(cpu_gemm.gemm(x, layout64, 64, lib, int8_from=0),
                        cpu_gemm.gemm(x, layout64, 64, lib))
     if "amx" in KERNEL_KINDS:
-        assert not cpu_gemm.int8_path(cpu_gemm.of_kind("amx"))
+        amx = cpu_gemm.of_kind("amx")
+        tiles = cpu_gemm.gemm(x, layout, 32, amx)
+        assert cpu_gemm.int8_path(amx)
+        for start in (0, 32, 96):
+            y = cpu_gemm.gemm(x, layout, 32, amx, int8_from=start)
+            assert torch.equal(y[:, start:], cpu_gemm.gemm(x, layout, 32, lib,
+                                                           int8_from=start)[:, start:]), start
+            assert torch.equal(y[:, :start], tiles[:, :start]), start
+        for bad in (16, -32, 160):
+            assert cpu_gemm.gemm(x, layout, 32, amx, int8_from=bad) is None, bad
 
 
 def test_which_layers_take_int8_activations(monkeypatch, caplog):

@@ -1,0 +1,48 @@
+/* AMX tiles' setup, shared by amx_gemm.c (int4 and int8 weights) and dense_gemm.c (bf16
+ * weights). Defines AMX_TILES where the build has them; the including .c defines _GNU_SOURCE
+ * first (syscall() under -std=c11). */
+#ifndef AMX_TILES_H
+#define AMX_TILES_H
+
+#if defined(__AMX_TILE__) && defined(__AVX512BW__) && defined(__linux__)
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define AMX_TILES 1
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* Tiles 0-3 hold sums (64 bytes a row), 4-5 rows of x (`x_bytes` a row), 6-7 weights
+ * (`w_rows` rows of 64 bytes). A call of m < 16 rows sets the x and sum tiles to m rows (fewer
+ * rows to load, multiply and store: 1.2x at one row); a row's sums are the same either way. */
+static inline void configure_tiles_as(int64_t m, int x_bytes, int w_rows) {
+    tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        c.colsb[t] = (uint16_t)(t == 4 || t == 5 ? x_bytes : 64);
+        c.rows[t] = (uint8_t)(t >= 6 ? w_rows : m < 16 ? m : 16);
+    }
+    _tile_loadconfig(&c);
+}
+
+/* Linux's permission for this process to use AMX state (arch_prctl ARCH_REQ_XCOMP_PERM for
+ * XTILEDATA): 1 granted, 0 refused. */
+static inline int amx_permission(void) {
+    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+}
+
+/* gcc's _tile_loadd is an asm statement that names no memory: without this barrier the stores
+ * of the data it loads are dropped or moved past it. */
+#define tile_load(t, base, stride) \
+    do { __asm__ volatile("" ::: "memory"); _tile_loadd(t, base, stride); } while (0)
+#endif
+
+#endif
