@@ -32,23 +32,12 @@
 #include "avx512_gemm.h"
 
 #if defined(__AVX512BF16__) && defined(AMX_TILES) && defined(__AMX_BF16__)
-#include <stdlib.h>
 
-/* Tiles: 0-3 sums (row tile t, output half h at 2t + h), 4-5 rows of x, 6-7 weights. */
-static void configure_tiles(int64_t m) { configure_tiles_as(m, 64, 16); }
+/* Tiles (amx_tiles.h): 0-3 sums (row tile t, output half h at 2t + h), 4-5 rows of x, 6-7
+ * weights. */
 
 #define CHUNK 32  /* inputs per tile product */
 #define TILE_ROWS 16
-
-/* x [m, k] bf16 -> [ceil(m / 16) * 16, k], zero rows after m (whole A tiles to load). */
-static uint16_t *padded_rows(const uint16_t *x, int64_t m, int64_t k) {
-    int64_t rows = (m + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS;
-    uint16_t *p = aligned_alloc(64, (size_t)((rows * k * 2 + 63) / 64 * 64));
-    if (!p) return NULL;
-    memcpy(p, x, (size_t)(m * k * 2));
-    memset(p + m * k, 0, (size_t)((rows - m) * k * 2));
-    return p;
-}
 
 /* One chunk of 32 inputs for rows [0, 16 * tiles) of xp (row stride k), weights already in
  * tiles 6 and 7: sums into tiles 0-3. */

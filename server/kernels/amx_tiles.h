@@ -7,6 +7,7 @@
 #if defined(__AMX_TILE__) && defined(__AVX512BW__) && defined(__linux__)
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -19,18 +20,29 @@ typedef struct {
     uint8_t rows[16];
 } tile_config;
 
-/* Tiles 0-3 hold sums (64 bytes a row), 4-5 rows of x (`x_bytes` a row), 6-7 weights
- * (`w_rows` rows of 64 bytes). A call of m < 16 rows sets the x and sum tiles to m rows (fewer
- * rows to load, multiply and store: 1.2x at one row); a row's sums are the same either way. */
-static inline void configure_tiles_as(int64_t m, int x_bytes, int w_rows) {
+/* Every tile 16 rows of 64 bytes: 0-3 sums, 4-5 rows of x, 6-7 weights (16 pairs of bf16
+ * inputs x 16 outputs). A call of m < 16 rows sets the x and sum tiles to m rows (fewer rows to
+ * load, multiply and store: 1.2x at one row); a row's sums are the same either way. */
+static inline void configure_tiles(int64_t m) {
     tile_config c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
     for (int t = 0; t < 8; t++) {
-        c.colsb[t] = (uint16_t)(t == 4 || t == 5 ? x_bytes : 64);
-        c.rows[t] = (uint8_t)(t >= 6 ? w_rows : m < 16 ? m : 16);
+        c.colsb[t] = 64;
+        c.rows[t] = (uint8_t)(t < 6 && m < 16 ? m : 16);
     }
     _tile_loadconfig(&c);
+}
+
+/* x [m, k] bf16 -> [ceil(m / 16) * 16, k], zero rows after m (whole x tiles to load); NULL
+ * where out of memory, else free() it after. */
+static inline uint16_t *padded_rows(const uint16_t *x, int64_t m, int64_t k) {
+    const int64_t rows = (m + 15) / 16 * 16;
+    uint16_t *p = aligned_alloc(64, (size_t)((rows * k * 2 + 63) / 64 * 64));
+    if (!p) return NULL;
+    memcpy(p, x, (size_t)(m * k * 2));
+    memset(p + m * k, 0, (size_t)((rows - m) * k * 2));
+    return p;
 }
 
 /* Linux's permission for this process to use AMX state (arch_prctl ARCH_REQ_XCOMP_PERM for

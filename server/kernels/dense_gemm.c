@@ -165,13 +165,10 @@ static inline __attribute__((always_inline)) void packed_block(
  * many rows, which changes no row's sums), so rows stay independent. Layers whose k is not a
  * multiple of 32 take the vdpbf16ps passes above, at every row count. */
 #if defined(__AVX512BF16__) && defined(AMX_TILES) && defined(__AMX_BF16__)
-#include <stdlib.h>
 #define PACKED_TILES 1
 #ifndef AHEAD_T
 #define AHEAD_T 64 /* inputs ahead: 1.0-1.3x at 1-32 rows, noisy */
 #endif
-
-static void tiles_configure(int64_t m) { configure_tiles_as(m, 64, 16); }
 
 /* Rows [0, r) (r <= 32, row stride k) of xp against one or two blocks of 16 outputs (w1 NULL:
  * one), each block's packed weight [k / 2][16][2]. */
@@ -222,21 +219,14 @@ static void tiles_pass(const uint16_t *xp, int64_t k, const uint16_t *w0, const 
 static int packed_gemm_tiles_(const uint16_t *x, const uint16_t *w, void *y, int64_t m,
                               int64_t n, int64_t k, int y_f32) {
     if (m == 0) return 0;  /* (a tile of 0 rows is not a valid configuration) */
-    const uint16_t *xp = x;
-    uint16_t *padded = NULL;
-    if (m > 16 && m % 16) {  /* whole row tiles to load: zero rows after m */
-        int64_t rows = (m + 15) / 16 * 16;
-        padded = aligned_alloc(64, (size_t)((rows * k * 2 + 63) / 64 * 64));
-        if (!padded) return 1;
-        memcpy(padded, x, (size_t)(m * k * 2));
-        memset(padded + m * k, 0, (size_t)((rows - m) * k * 2));
-        xp = padded;
-    }
+    uint16_t *padded = m > 16 && m % 16 ? padded_rows(x, m, k) : NULL;  /* whole row tiles */
+    if (m > 16 && m % 16 && !padded) return 1;
+    const uint16_t *xp = padded ? padded : x;
     const int64_t blocks = n / 16, pairs = (blocks + 1) / 2;
     const size_t yes = y_f32 ? 4 : 2;
     #pragma omp parallel if (pairs >= 4 && m * n * k >= (1 << 18))
     {
-        tiles_configure(m);
+        configure_tiles(m);
         #pragma omp for schedule(static)
         for (int64_t b = 0; b < pairs; b++) {
             const uint16_t *w0 = w + 2 * b * 16 * k;
