@@ -101,7 +101,7 @@ static inline void scale_group(__m512 (*acc)[2], float (*sums)[TILE_ROWS][16],
  * then (the order of every row's arithmetic is the same). */
 static void block_amx(const uint16_t *xp, int64_t k, const float *xsum, int64_t groups,
                       int64_t group, const uint8_t *blk, const uint16_t *unpacked, uint16_t *y,
-                      int64_t n, int r, __m512i table) {
+                      int64_t n, int r, __m512i table, int first) {
     __attribute__((aligned(64))) uint16_t w[2][2][TILE_ROWS][32];
     __attribute__((aligned(64))) float sums[2][4][TILE_ROWS][16];
     __m512 acc[32][2];
@@ -110,6 +110,7 @@ static void block_amx(const uint16_t *xp, int64_t k, const float *xsum, int64_t 
     zero_sums();
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *pk = blk + g * group_bytes(group) + GROUP_HEAD;
+        if (first && !unpacked) ahead(blk + g * group_bytes(group), group_bytes(group));
         for (int64_t c = 0; c < group; c += CHUNK) {
             if (unpacked) {
                 const uint16_t *u = unpacked + (g * group + c) / CHUNK * 2 * TILE_ROWS * 32;
@@ -187,7 +188,7 @@ int amx_int4_gemm(const uint16_t *x, const uint8_t *packed, uint16_t *y, float *
             for (int64_t i = 0; i < m; i += 2 * TILE_ROWS) {
                 int r = m - i < 2 * TILE_ROWS ? (int)(m - i) : 2 * TILE_ROWS;
                 block_amx(xp + i * k, k, xsum + i * groups, groups, group, blk, unpacked,
-                          y + i * n + b * 32, n, r, table);
+                          y + i * n + b * 32, n, r, table, i == 0);
             }
         }
         _tile_release();
@@ -199,12 +200,13 @@ int amx_int4_gemm(const uint16_t *x, const uint8_t *packed, uint16_t *y, float *
 
 /* Rows [0, r) (r <= 32) of xp against one block of 32 outputs of the int8 layout. */
 static void block8_amx(const uint16_t *xp, int64_t k, const int8_t *blk, const float *scale,
-                       void *y, int64_t n, int r, int out_fp32) {
+                       void *y, int64_t n, int r, int out_fp32, int first) {
     __attribute__((aligned(64))) uint16_t w[2][TILE_ROWS][32];
     __attribute__((aligned(64))) float sums[4][TILE_ROWS][16];
     const int tiles = r > TILE_ROWS ? 2 : 1;
     zero_sums();
     for (int64_t c = 0; c < k; c += CHUNK) {
+        if (first) ahead(blk + c / 2 * 64, TILE_ROWS * 64);
         for (int p = 0; p < TILE_ROWS; p++) {
             const int8_t *pair = blk + (c / 2 + p) * 64;
             _mm512_store_si512(w[0][p], int8_pairs(pair));
@@ -243,7 +245,7 @@ int amx_int8_gemm(const uint16_t *x, const int8_t *packed, const float *scale, v
             for (int64_t i = 0; i < m; i += 2 * TILE_ROWS) {
                 int r = m - i < 2 * TILE_ROWS ? (int)(m - i) : 2 * TILE_ROWS;
                 char *yi = (char *)y + (i * n + b * 32) * (out_fp32 ? 4 : 2);
-                block8_amx(xp + i * k, k, blk, scale + b * 32, yi, n, r, out_fp32);
+                block8_amx(xp + i * k, k, blk, scale + b * 32, yi, n, r, out_fp32, i == 0);
             }
         }
         _tile_release();
