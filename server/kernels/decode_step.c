@@ -29,9 +29,8 @@ static inline vf activation(vf g, int kind) {
     i32v neg = g < zero;
     if (kind == ACT_SILU) {
         vf a = (vf)((neg & (i32v)g) | (~neg & (i32v)(zero - g)));  /* -|g| */
-        vf e = exp_negv(a);
-        vf pos = g / (e + 1.0f), negative = g * e / (e + 1.0f);
-        return (vf)((neg & (i32v)negative) | (~neg & (i32v)pos));
+        vf e = exp_negv(a), ge = g * e;  /* one division: the numerator picked first */
+        return (vf)((neg & (i32v)ge) | (~neg & (i32v)g)) / (e + 1.0f);
     }
     vf u = (g + g * g * g * 0.044715f) * 0.7978845608028654f;
     i32v uneg = u < zero;

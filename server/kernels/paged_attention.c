@@ -2,11 +2,13 @@
  * (paged_prompt), built into one library with layer_ops.c and dense_gemm.c (layer_ops.py).
  * Scores, softmax and weighted sums are fp32; every query row's numbers depend on its own query
  * and context only. */
+#define _GNU_SOURCE /* syscall() in unistd.h under -std=c11 (amx_tiles.h) */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "amx_tiles.h"
 #include "common.h"
 #include "layer_ops.h"
 #include "vectors.h"
@@ -281,6 +283,163 @@ static void prompt_rows(const float *qs, const int64_t *n, int64_t nmax, const f
         }
 }
 
+#if defined(AMX_TILES) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+/* bf16 prompt chunks on AMX tiles, where dense_gemm.c's tiles are on (packed_gemm_tiles): the
+ * scores q.k and the weighted sums p.v are TDPBF16PS products summed in fp32, the softmax fp32
+ * between them, its weights rounded to bf16 for the second product (as PyTorch's CPU flash
+ * attention does for bf16) and the sums divided by the fp32 denominator. A job is 16 rows (a
+ * query head of a query each) of one kv head. Context positions are aligned to the sequence's
+ * start in blocks of 16 (scores) and 32 (sums), and a row's weights past its own positions are
+ * exact zeros: a row's bits depend on its own query and context only, whole, in chunks or after
+ * a prefix hit. Keys are laid out as B tiles [ctx / 16][d / 32][16 pairs of d][16 positions][2],
+ * values as [ctx / 32][d / 16][16 pairs of positions][16 of d][2], one 1 KB tile each. */
+#define PROMPT_TILES 1
+
+/* 16 rows (qa [16][d] bf16; rows [real, 16) zeros) over positions [0, np) (a multiple of 32)
+ * of one kv head's kb/vb; row r's own positions [0, len[r]). sc: fp32 [16][np], pw: bf16
+ * [16][np], os: fp32 [16][d]; the sums of row r, divided, into os. */
+static void prompt_tile_rows(const uint16_t *qa, int real, const int64_t *len, int64_t np,
+                             int64_t d, const uint16_t *kb, const uint16_t *vb, float scale,
+                             float *sc, uint16_t *pw, float *os) {
+    const int64_t dc = d / 32, db = d / 16;
+    for (int64_t p0 = 0; p0 < np; p0 += 64) {  /* scores, 4 (or 2) blocks of 16 positions */
+        const int four = np - p0 >= 64;
+        const uint16_t *k0 = kb + p0 / 16 * dc * 512;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t c = 0; c < dc; c++) {
+            tile_load(4, qa + c * 32, d * 2);
+            tile_load(5, k0 + c * 512, 64);
+            _tile_dpbf16ps(0, 4, 5);
+            tile_load(6, k0 + (dc + c) * 512, 64);
+            _tile_dpbf16ps(1, 4, 6);
+            if (four) {
+                tile_load(7, k0 + (2 * dc + c) * 512, 64);
+                _tile_dpbf16ps(2, 4, 7);
+                tile_load(5, k0 + (3 * dc + c) * 512, 64);
+                _tile_dpbf16ps(3, 4, 5);
+            }
+        }
+        _tile_stored(0, sc + p0, np * 4);
+        _tile_stored(1, sc + p0 + 16, np * 4);
+        if (four) {
+            _tile_stored(2, sc + p0 + 32, np * 4);
+            _tile_stored(3, sc + p0 + 48, np * 4);
+        }
+    }
+    float denom[16];
+    for (int r = 0; r < real; r++)
+        for (int64_t p = 0; p < len[r]; p += 16) {
+            __m512 v = _mm512_loadu_ps(sc + r * np + p);
+            _mm512_storeu_ps(sc + r * np + p, _mm512_mul_ps(v, _mm512_set1_ps(scale)));
+        }
+    softmax_rows(sc, real, len, np, np, denom);
+    for (int r = 0; r < 16; r++)
+        for (int64_t p = 0; p < np; p += 16) {
+            __m512 v = r < real ? _mm512_loadu_ps(sc + r * np + p) : _mm512_setzero_ps();
+            _mm256_storeu_si256((__m256i *)(pw + r * np + p), (__m256i)_mm512_cvtneps_pbh(v));
+        }
+    for (int64_t b0 = 0; b0 < db; b0 += 4) {  /* weighted sums, 4 blocks of 16 of d a pass */
+        const int nd = db - b0 < 4 ? (int)(db - b0) : 4;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t q = 0; q < np / 32; q++) {
+            const uint16_t *v0 = vb + (q * db + b0) * 512;
+            tile_load(4, pw + q * 32, np * 2);
+            tile_load(5, v0, 64);
+            _tile_dpbf16ps(0, 4, 5);
+            if (nd > 1) {
+                tile_load(6, v0 + 512, 64);
+                _tile_dpbf16ps(1, 4, 6);
+            }
+            if (nd > 2) {
+                tile_load(7, v0 + 1024, 64);
+                _tile_dpbf16ps(2, 4, 7);
+            }
+            if (nd > 3) {
+                tile_load(5, v0 + 1536, 64);
+                _tile_dpbf16ps(3, 4, 5);
+            }
+        }
+        _tile_stored(0, os + b0 * 16, d * 4);
+        if (nd > 1) _tile_stored(1, os + (b0 + 1) * 16, d * 4);
+        if (nd > 2) _tile_stored(2, os + (b0 + 2) * 16, d * 4);
+        if (nd > 3) _tile_stored(3, os + (b0 + 3) * 16, d * 4);
+    }
+    for (int r = 0; r < real; r++)
+        for (int64_t c = 0; c < d; c++) os[r * d + c] = os[r * d + c] / denom[r];
+}
+
+/* paged_prompt's tiles (its arguments, bf16 queries and cache; d a multiple of 32). */
+static int prompt_tiles(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                        const int64_t *ctx_slots, int64_t start, int64_t num, uint16_t *out,
+                        int64_t hq, int64_t hkv, int64_t d, int64_t num_slots, float scale) {
+    const int64_t group = hq / hkv, ctx = start + num, np = (ctx + 31) / 32 * 32;
+    const int64_t rows = num * group, blocks = (rows + 15) / 16, pairs = d / 2;
+    size_t bytes = (size_t)(hkv * np * d) * 2;
+    uint16_t *kb = aligned_alloc(64, bytes), *vb = aligned_alloc(64, bytes);
+    int failed = kb == NULL || vb == NULL ? 2 : 0;
+    #pragma omp parallel if (num * ctx * hq * d >= (1 << 16))
+    {
+        #pragma omp for schedule(static)
+        for (int64_t hp = 0; hp < hkv * np; hp++) {
+            if (failed) continue;
+            const int64_t h = hp / np, p = hp % np;
+            const uint16_t *key = k_cache + (h * num_slots + (p < ctx ? ctx_slots[p] : 0)) * d;
+            const uint16_t *val = v_cache + (h * num_slots + (p < ctx ? ctx_slots[p] : 0)) * d;
+            uint32_t *kt = (uint32_t *)(kb + (h * np + p / 16 * 16) * d) + p % 16;
+            uint16_t *vt = vb + (h * np + p / 32 * 32) * d + (p % 32) / 2 * 32 + p % 2;
+            for (int64_t j = 0; j < pairs; j++) {
+                uint32_t pair;
+                memcpy(&pair, key + 2 * j, 4);
+                kt[(j / 16) * 256 + (j % 16) * 16] = p < ctx ? pair : 0;
+            }
+            for (int64_t c = 0; c < d; c++)
+                vt[(c / 16) * 512 + (c % 16) * 2] = p < ctx ? val[c] : 0;
+        }
+        const size_t qbytes = (size_t)(16 * d) * 2, sbytes = (size_t)(16 * np) * 4;
+        char *buf = aligned_alloc(64, qbytes + 2 * sbytes + (size_t)(16 * d) * 4);
+        if (buf == NULL) {
+            #pragma omp atomic write
+            failed = 2;
+        }
+        if (buf != NULL) configure_tiles(16);
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t job = 0; job < hkv * blocks; job++) {
+            if (failed) continue;
+            const int64_t h = job / blocks, r0 = job % blocks * 16;
+            const int real = rows - r0 < 16 ? (int)(rows - r0) : 16;
+            uint16_t *qa = (uint16_t *)buf, *pw = (uint16_t *)(buf + qbytes + sbytes);
+            float *sc = (float *)(buf + qbytes), *os = (float *)(buf + qbytes + 2 * sbytes);
+            int64_t len[16], at[16];
+            for (int r = 0; r < 16; r++) {
+                if (r < real) {
+                    const int64_t t = (r0 + r) / group, g = (r0 + r) % group;
+                    at[r] = t * hq + h * group + g;
+                    len[r] = start + t + 1;
+                    memcpy(qa + r * d, q + at[r] * d, (size_t)d * 2);
+                } else {
+                    memset(qa + r * d, 0, (size_t)d * 2);
+                }
+            }
+            const int64_t npj = (len[real - 1] + 31) / 32 * 32;
+            prompt_tile_rows(qa, real, len, npj, d, kb + h * np * d, vb + h * np * d, scale, sc,
+                             pw, os);
+            for (int r = 0; r < real; r++) store_row(out + at[r] * d, os + r * d, d, 1);
+        }
+        if (buf != NULL) _tile_release();
+        free(buf);
+    }
+    free(kb);
+    free(vb);
+    return failed;
+}
+#endif
+
 /* One sequence's prompt chunk: query t in [0, num) at position start + t attends over context
  * positions [0, start + t], whose cache slots are ctx_slots[0, start + num). q: [num, hq, d]
  * (`bf16`), scaled here; caches as paged_decode's; out: [num, hq * d]. The context's keys
@@ -294,6 +453,11 @@ int paged_prompt(const void *q, const void *k_cache, const void *v_cache,
                  int64_t hkv, int64_t d, int64_t num_slots, double scale, int bf16,
                  int cache_bf16) {
     if (d > MAX_DIM || d % (2 * VL) || hq % hkv || start < 0 || num < 1) return 1;
+#if defined(PROMPT_TILES)
+    if (bf16 && cache_bf16 && d % 32 == 0 && packed_gemm_tiles(-1))
+        return prompt_tiles(q, k_cache, v_cache, ctx_slots, start, num, out, hq, hkv, d,
+                            num_slots, (float)scale);
+#endif
     size_t es = bf16 ? 2 : 4, ces = cache_bf16 ? 2 : 4;
     int64_t group = hq / hkv, heads = group % 4 == 0 ? 4 : group % 3 == 0 ? 3
                                                            : group % 2 == 0 ? 2 : 1;
