@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from server.models.tokenizer import byte_to_unicode
+
+
+@functools.cache
+def _byte_decoder() -> dict[str, int]:
+    """Byte-level BPE's printable character -> byte map, built once (read only)."""
+    return {c: b for b, c in byte_to_unicode().items()}
 
 
 class TokenText:
@@ -14,7 +21,7 @@ class TokenText:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self._cache: dict[int, tuple[str, list[int]]] = {}
-        self._byte_decoder = {c: b for b, c in byte_to_unicode().items()}
+        self._byte_decoder = _byte_decoder()  # every request built it: ~0.4 ms each
 
     def __call__(self, token_id: int) -> tuple[str, list[int]]:
         hit = self._cache.get(token_id)
