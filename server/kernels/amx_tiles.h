@@ -1,6 +1,6 @@
 /* AMX tiles' setup, shared by amx_gemm.c (int4 and int8 weights), dense_gemm.c (bf16
- * weights) and paged_attention.c (bf16 prompt attention). Defines AMX_TILES where the build has them; the including .c defines _GNU_SOURCE
- * first (syscall() under -std=c11). */
+ * weights) and paged_attention.c (bf16 prompt attention). Defines AMX_TILES where the build
+ * has them; the including .c defines _GNU_SOURCE first (syscall() under -std=c11). */
 #ifndef AMX_TILES_H
 #define AMX_TILES_H
 
