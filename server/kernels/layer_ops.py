@@ -167,17 +167,20 @@ def prompt_positions() -> int:
 
 def paged_prompt(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  context_slots: torch.Tensor, start: int, scale: float,
-                 lib=None) -> torch.Tensor | None:
+                 lib=None, out: torch.Tensor | None = None) -> torch.Tensor | None:
     """q [T, Hq, D]: one sequence's prompt positions [start, start + T), query t attending to
-    positions [0, start + t] of context_slots [>= start + T] in the paged caches -> [T, Hq * D].
-    None: not here."""
+    positions [0, start + t] of context_slots [>= start + T] in the paged caches -> [T, Hq * D]
+    (into `out` where given: the step's rows of this chunk). None: not here."""
     lib = lib or _lib()
     t, hq, d = q.shape
     if (lib is None or d > MAX_DIM or k_cache.dtype != v_cache.dtype
             or context_slots.dtype != torch.int64 or context_slots.numel() < start + t
             or not _fits(q, k_cache, v_cache, context_slots)):
         return None
-    out = q.new_empty(t, hq * d)
+    if out is None:
+        out = q.new_empty(t, hq * d)
+    elif out.shape != (t, hq * d) or out.dtype != q.dtype or not _fits(out):
+        return None
     if lib.paged_prompt(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                         context_slots.data_ptr(), start, t, out.data_ptr(), hq,
                         k_cache.shape[0], d, k_cache.shape[1], scale,

@@ -96,6 +96,13 @@ def test_paged_prompt_matches_pytorch_and_chunks_change_nothing(dtype, cache_dty
         for start, end in ((0, cut), (cut, n)):
             part = layer_ops.paged_prompt(q[start:end].contiguous(), k, v, slots, start, 0.125)
             assert torch.equal(part, whole[start:end]), (cut, start)
+    # into the rows of a step's output (attention.py), and nothing written where out misfits
+    step = torch.zeros(n + 7, hq * 64, dtype=dtype)
+    into = layer_ops.paged_prompt(q[131:], k, v, slots, 131, 0.125, out=step[5:5 + n - 131])
+    assert into is not None and into.data_ptr() == step[5].data_ptr()
+    assert torch.equal(step[5:5 + n - 131], whole[131:]) and not step[:5].any()
+    assert not step[5 + n - 131:].any()
+    assert layer_ops.paged_prompt(q[131:], k, v, slots, 131, 0.125, out=step[:n - 130]) is None
     keys, values = (c[:, slots].float().repeat_interleave(hq // hkv, 0) for c in (k, v))
     scores = q.float().transpose(0, 1) @ keys.transpose(1, 2) * 0.125
     scores += torch.full((n, n), float("-inf")).triu(1)
