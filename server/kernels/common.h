@@ -35,11 +35,31 @@ static inline void load_row(float *dst, const void *src, int64_t n, int bf16) {
     }
 }
 
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+/* 16 fp32 to bf16 as float_to_bf16 rounds them, into dst. vcvtneps2bf16 rounds alike, NaNs
+ * included, but flushes denormal inputs to zero (every one of the 2^32 inputs checked on an
+ * Intel Xeon with AMX), so a vector with a denormal lane takes float_to_bf16 lane by lane. */
+static inline void bf16x16_store(uint16_t *dst, __m512 v) {
+    if (__builtin_expect(_mm512_fpclass_ps_mask(v, 0x20) != 0, 0)) {  /* 0x20: denormal */
+        float f[16];
+        _mm512_storeu_ps(f, v);
+        for (int i = 0; i < 16; i++) dst[i] = float_to_bf16(f[i]);
+        return;
+    }
+    _mm256_storeu_si256((__m256i *)dst, (__m256i)_mm512_cvtneps_pbh(v));
+}
+#endif
+
 /* n fp32 values into dst (fp32, or bf16 rounded as float_to_bf16). */
 static inline void store_row(void *dst, const float *src, int64_t n, int bf16) {
     if (bf16) {
         uint16_t *d = (uint16_t *)dst;
-        for (int64_t i = 0; i < n; i++) d[i] = float_to_bf16(src[i]);
+        int64_t i = 0;
+#if defined(__AVX512BF16__)
+        for (; i + 16 <= n; i += 16) bf16x16_store(d + i, _mm512_loadu_ps(src + i));
+#endif
+        for (; i < n; i++) d[i] = float_to_bf16(src[i]);
     } else {
         memcpy(dst, src, (size_t)n * sizeof(float));
     }

@@ -46,6 +46,7 @@ static inline vf activation(vf g, int kind) {
 static void act_row(const char *gate, const char *up, char *out, int64_t n, int kind, int bf16) {
     size_t es = bf16 ? 2 : 4;
     float g[CHUNK], u[CHUNK];
+    uint16_t gr[CHUNK];
     for (int64_t c = 0; c < n; c += CHUNK) {
         int64_t len = n - c < CHUNK ? n - c : CHUNK;
         load_row(g, gate + c * es, len, bf16);
@@ -54,8 +55,10 @@ static void act_row(const char *gate, const char *up, char *out, int64_t n, int 
             int64_t count = len - i < VL ? len - i : VL;
             store_lanes(g + i, activation(load_lanes(g + i, count), kind), count);
         }
-        if (bf16)  /* the activation's result rounded, as a bf16 operator's */
-            for (int64_t i = 0; i < len; i++) g[i] = bf16_to_float(float_to_bf16(g[i]));
+        if (bf16) {  /* the activation's result rounded, as a bf16 operator's */
+            store_row(gr, g, len, 1);
+            load_row(g, gr, len, 1);
+        }
         for (int64_t i = 0; i < len; i++) g[i] = g[i] * u[i];
         store_row(out + c * es, g, len, bf16);
     }

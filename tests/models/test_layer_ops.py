@@ -154,6 +154,20 @@ def test_the_gated_activation_matches_pytorch_and_rows_are_independent(dtype, ac
     assert layer_ops.act_mul(gate, up, "relu") is None  # a kind it does not have: PyTorch's
 
 
+def test_bf16_results_below_the_normal_range_round_as_pytorch_rounds_them():
+    """common.h's vector store (vcvtneps2bf16 flushes denormal inputs to zero) keeps bf16
+    denormals as float_to_bf16 and PyTorch do: act_mul's products (30 * u, exact in fp32) and
+    activations (silu(g) = g / 2 for tiny g) below 2^-126, in whole vectors and a tail."""
+    tiny = torch.tensor([2.0 ** -130, -30 * 2.0 ** -133, 2.0 ** -127, 0.0] * 12 + [2.0 ** -131])
+    n = tiny.numel()
+    gate = torch.cat([torch.full((n,), 30.0), tiny]).to(torch.bfloat16)[None]
+    up = torch.cat([tiny, torch.ones(n)]).to(torch.bfloat16)[None]
+    got = layer_ops.act_mul(gate, up, "silu")
+    assert got is not None
+    want = torch.cat([30 * tiny, tiny / 2]).to(torch.bfloat16)[None]  # exact in fp32
+    assert want.ne(0).sum() == 2 * (n - 12) and torch.equal(got, want)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rope_store_matches_pytorch(dtype, monkeypatch):
     """The fused path and the PyTorch path of the same Attention module: same queries, same
