@@ -51,7 +51,7 @@ class AttentionGroup:
     mask: torch.Tensor
     valid: torch.Tensor  # [num_valid] flat indices into token_index of real queries
     dest: torch.Tensor  # [num_valid] step-token index each real query's output goes to
-    whole_step: bool  # the group is every token of the step, in order, unpadded
+    whole_step: bool = False  # the group is every token of the step, in order, unpadded
     flat_slots: torch.Tensor | None = None  # context_slots as [B * max_ctx] indices >= 0
     fp32: bool = False  # attend in fp32 (short-context decodes under a 16-bit compute dtype)
     first_tile: int = -1  # a prompt chunk's first tile (its position // QUERY_TILE); -1: decodes
@@ -225,7 +225,6 @@ def _decode_group(entries: list[tuple[int, int, int]], tables: torch.Tensor, blo
         mask=mask.to(device),
         valid=torch.arange(len(entries), device=device),
         dest=token.to(device),
-        whole_step=False,
         fp32=fp32,
         lens=s.to(device),
     )
@@ -249,8 +248,7 @@ def _prompt_group(table: torch.Tensor, first_token: int, start: int, num: int, b
         token_index=token_index.view(-1, QUERY_TILE).to(device),
         context_slots=_slots(table, ctx, torch.tensor(end), block_size)[None].to(device),
         mask=mask.to(device), valid=valid.to(device), dest=token_index[valid].to(device),
-        whole_step=False, first_tile=first_tile, start=start, in_place=in_place,
-        first_token=first_token)
+        first_tile=first_tile, start=start, in_place=in_place, first_token=first_token)
 
 
 def _tile_sum(x: torch.Tensor) -> torch.Tensor:
@@ -294,18 +292,15 @@ def paged_attention(
     plain = softcap is None and sinks is None  # what the C kernels compute
     for g in meta.groups:
         g = g.within(window)
-        if g.whole_step:  # the step's decodes, in order
-            return _decodes(q, k_cache, v_cache, g, scale, num_kv_heads, group_size, softcap,
-                            sinks)
-        if out is None:
-            out = q.new_empty(num_tokens, num_heads * head_dim)
-        if g.first_tile < 0:
+        if g.first_tile < 0:  # decodes: the whole step's, in order, or some of them
             o = _decodes(q, k_cache, v_cache, g, scale, num_kv_heads, group_size, softcap, sinks)
+            if g.whole_step:
+                return o
+            out = q.new_empty(num_tokens, num_heads * head_dim) if out is None else out
             out[g.dest] = o[g.valid]
             continue
-        # A prompt chunk's rows are consecutive in the step: slices, not index copies (those
-        # took ~5% of a 512-token prefill step).
-        rows = slice(g.first_token, g.first_token + g.dest.numel())
+        out = q.new_empty(num_tokens, num_heads * head_dim) if out is None else out
+        rows = slice(g.first_token, g.first_token + g.dest.numel())  # a chunk's rows are in order
         if g.in_place and window is None and plain and layer_ops.paged_prompt(
                 q[rows], k_cache, v_cache, g.context_slots[0], g.start, scale,
                 out=out[rows]) is not None:  # the cache read in place, into the step's rows
