@@ -18,7 +18,7 @@ probe gave 39-79 GB/s within one hour on a Zen 5 VM, 2026-12-06), so servers or 
 turns tell 5% changes apart only with many rounds; steps taking turns see the same drift. Two
 identical builds read B / A 1.000-1.003 by medians there (means 0.999-1.010; 1 and 32 sequences,
 189-398 steps each): trust the medians, and more steps at one sequence. Prompt steps are fewer
-and longer: two identical builds read 0.97-0.98 by means over 3 rounds (2 and 15 steps each,
+and longer: two identical builds read 0.97-0.99 by means over 3 rounds (2 and 15 steps each,
 Intel Xeon with AMX), so give --prefill more rounds.
 """
 
