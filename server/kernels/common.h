@@ -35,7 +35,7 @@ static inline void load_row(float *dst, const void *src, int64_t n, int bf16) {
     }
 }
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) && defined(__AVX512DQ__)  /* vfpclassps: AVX-512 DQ */
 #include <immintrin.h>
 /* 16 fp32 to bf16 as float_to_bf16 rounds them, into dst. vcvtneps2bf16 rounds alike, NaNs
  * included, but flushes denormal inputs to zero (every one of the 2^32 inputs checked on an
@@ -56,7 +56,7 @@ static inline void store_row(void *dst, const float *src, int64_t n, int bf16) {
     if (bf16) {
         uint16_t *d = (uint16_t *)dst;
         int64_t i = 0;
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) && defined(__AVX512DQ__)
         for (; i + 16 <= n; i += 16) bf16x16_store(d + i, _mm512_loadu_ps(src + i));
 #endif
         for (; i < n; i++) d[i] = float_to_bf16(src[i]);
