@@ -49,8 +49,7 @@ class AttentionGroup:
     # diagonal block of each tile, [num_tiles, QUERY_TILE, QUERY_TILE] (earlier context is
     # always allowed).
     mask: torch.Tensor
-    valid: torch.Tensor  # [num_valid] flat indices into token_index of real queries
-    dest: torch.Tensor  # [num_valid] step-token index each real query's output goes to
+    dest: torch.Tensor  # [num real queries] step-token index each one's output goes to
     whole_step: bool = False  # the group is every token of the step, in order, unpadded
     flat_slots: torch.Tensor | None = None  # context_slots as [B * max_ctx] indices >= 0
     fp32: bool = False  # attend in fp32 (short-context decodes under a 16-bit compute dtype)
@@ -195,7 +194,7 @@ def _decode_step(seq_lens: list[int], block_tables: list[list[int]], block_size:
     group = AttentionGroup(
         token_index=token[:, None].to(device), context_slots=context_slots.to(device),
         mask=torch.zeros(b, max_ctx).masked_fill_(past, float("-inf")).to(device),
-        valid=torch.arange(b, device=device), dest=token.to(device), whole_step=True,
+        dest=token.to(device), whole_step=True,
         lens=s.to(device))
     return AttentionMetadata(positions=(s - 1).to(device),
                              slot_mapping=context_slots[token, s - 1].to(device),
@@ -223,7 +222,6 @@ def _decode_group(entries: list[tuple[int, int, int]], tables: torch.Tensor, blo
         token_index=token[:, None].to(device),
         context_slots=_slots(tables[seq], ctx, s[:, None], block_size).to(device),
         mask=mask.to(device),
-        valid=torch.arange(len(entries), device=device),
         dest=token.to(device),
         fp32=fp32,
         lens=s.to(device),
@@ -247,7 +245,7 @@ def _prompt_group(table: torch.Tensor, first_token: int, start: int, num: int, b
     return AttentionGroup(
         token_index=token_index.view(-1, QUERY_TILE).to(device),
         context_slots=_slots(table, ctx, torch.tensor(end), block_size)[None].to(device),
-        mask=mask.to(device), valid=valid.to(device), dest=token_index[valid].to(device),
+        mask=mask.to(device), dest=token_index[valid].to(device),
         first_tile=first_tile, start=start, in_place=in_place, first_token=first_token)
 
 
@@ -288,18 +286,17 @@ def paged_attention(
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[0]
     group_size = num_heads // num_kv_heads
-    out = None
     plain = softcap is None and sinks is None  # what the C kernels compute
+    if meta.groups[0].whole_step:  # the step's decodes, in order: their rows are the output
+        return _decodes(q, k_cache, v_cache, meta.groups[0].within(window), scale, num_kv_heads,
+                        group_size, softcap, sinks)
+    out = q.new_empty(num_tokens, num_heads * head_dim)
     for g in meta.groups:
         g = g.within(window)
-        if g.first_tile < 0:  # decodes: the whole step's, in order, or some of them
-            o = _decodes(q, k_cache, v_cache, g, scale, num_kv_heads, group_size, softcap, sinks)
-            if g.whole_step:
-                return o
-            out = q.new_empty(num_tokens, num_heads * head_dim) if out is None else out
-            out[g.dest] = o[g.valid]
+        if g.first_tile < 0:  # decodes: one row each, in entry order
+            out[g.dest] = _decodes(q, k_cache, v_cache, g, scale, num_kv_heads, group_size,
+                                   softcap, sinks)
             continue
-        out = q.new_empty(num_tokens, num_heads * head_dim) if out is None else out
         rows = slice(g.first_token, g.first_token + g.dest.numel())  # a chunk's rows are in order
         if g.in_place and window is None and plain and layer_ops.paged_prompt(
                 q[rows], k_cache, v_cache, g.context_slots[0], g.start, scale,

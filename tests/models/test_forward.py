@@ -104,7 +104,7 @@ def test_a_decode_step_lays_out_its_decodes_as_a_mixed_step_does():
         assert torch.equal(alone.slot_mapping, mixed.slot_mapping[:b])
         [ours], theirs = alone.groups, mixed.groups[0]
         assert ours.whole_step and not theirs.whole_step and ours.fp32 == theirs.fp32
-        for name in ("token_index", "context_slots", "mask", "valid", "dest", "lens"):
+        for name in ("token_index", "context_slots", "mask", "dest", "lens"):
             assert torch.equal(getattr(ours, name), getattr(theirs, name)), name
 
 
