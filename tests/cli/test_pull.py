@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -245,6 +246,42 @@ def test_pull_gguf_file(home, tmp_path, capsys):
         tmp_path / "auto")
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         assert (stored.path / name).read_bytes() == (tmp_path / "auto" / name).read_bytes()
+
+
+def test_a_gguf_pull_parses_the_file_once_and_as_gguf_does(home, tmp_path, monkeypatch):
+    """The pull's reader (gguf's, over a plain array of the mapped file) holds gguf's own fields
+    and tensors, and the config (transformers' loader), the template and the tensors all read
+    that one parse of the file."""
+    import gguf
+
+    from storage import gguf as gguf_io
+
+    path = tmp_path / "Tiny-Chat.gguf"
+    write_gguf(hf_model("llama", seed=12), path)
+    ours, theirs = gguf_io.open_reader(path), gguf.GGUFReader(path)
+    assert type(ours) is not gguf.GGUFReader and list(ours.fields) == list(theirs.fields)
+    for name, field in theirs.fields.items():
+        assert ours.fields[name].types == field.types, name
+        assert ours.fields[name].contents() == field.contents(), name
+    assert len(ours.tensors) == len(theirs.tensors) > 0
+    for a, b in zip(ours.tensors, theirs.tensors):
+        assert (a.name, a.tensor_type, list(a.shape)) == (b.name, b.tensor_type, list(b.shape))
+        assert np.array_equal(a.data, b.data)
+
+    parsed = []
+    real_init = gguf.GGUFReader.__init__
+
+    def init(self, file, *args, **kwargs):
+        parsed.append(Path(file))
+        real_init(self, file, *args, **kwargs)
+
+    monkeypatch.setattr(gguf.GGUFReader, "__init__", init)
+    copy = tmp_path / "Tiny-Copy.gguf"  # a file no reader holds yet
+    copy.write_bytes(path.read_bytes())
+    assert main(["pull", str(copy), "--bits", "16"]) == 0
+    assert parsed == [copy]
+    assert ModelStore().resolve("tiny-copy:bf16").manifest["tokenizer"]["chat_template"] == \
+        CHAT_TEMPLATE
 
 
 def test_unsupported_gguf_architecture_is_named_with_what_is_supported(home, tmp_path, capsys):
