@@ -46,13 +46,24 @@ ARCH = {"phi4-mini": "phi3", "qwen3-moe": "qwen3_moe", "gpt-oss": "gpt_oss"}
 # The converter run as it is, its tokenizer loaded as tokenizer.json defines it: transformers
 # builds a Qwen or Gemma folder's with that family's own pre-tokenizer, which the converter's
 # list of known pre-tokenizers does not hold on SmolLM2's vocabulary (real Qwen and Gemma
-# tokenizers it knows). Tensors and metadata are the converter's own.
-CONVERT = """import os, runpy, sys, transformers
+# tokenizers it knows). Tensors and metadata are the converter's own. It converts every
+# family's folder in one process, run afresh for each (one start of Python, torch and
+# transformers instead of one a family, ~3 s each); a family's failure is left beside its output
+# (.error) for its own test to show.
+CONVERT = """import os, runpy, sys, traceback, transformers
 transformers.AutoTokenizer.from_pretrained = (
     lambda path, *a, **k: transformers.TokenizersBackend.from_pretrained(path))
-sys.argv = sys.argv[1:]
-sys.path.insert(0, os.path.dirname(sys.argv[0]))
-runpy.run_path(sys.argv[0], run_name="__main__")
+converter, jobs = sys.argv[1], sys.argv[2:]
+sys.path.insert(0, os.path.dirname(converter))
+for folder, out in zip(jobs[::2], jobs[1::2]):
+    sys.argv = [converter, folder, "--outfile", out, "--outtype", "f32"]
+    try:
+        runpy.run_path(converter, run_name="__main__")
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            open(out + ".error", "w").write(f"the converter exited with {e.code!r}")
+    except Exception:
+        open(out + ".error", "w").write(traceback.format_exc())
 """
 
 
@@ -73,23 +84,34 @@ def tokenizer_files(real_home) -> Path:
     return real_home / "models" / "smollm2-135m:int4"
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_converted_gguf_pulls_as_its_folder(family, converter, tokenizer_files, tmp_path,
-                                            monkeypatch):
-    hf = hf_model(ARCH.get(family, family), seed=9, vocab_size=49152, tie_word_embeddings=True,
-                  **FAMILIES[family])
-    folder = tmp_path / f"tiny-{family}"
-    hf.save_pretrained(folder, safe_serialization=True)
-    shutil.copy(tokenizer_files / "tokenizer.json", folder / "tokenizer.json")
+@pytest.fixture(scope="session")
+def converted(converter, tokenizer_files, tmp_path_factory) -> dict[str, tuple[Path, Path]]:
+    """Each family's tiny model saved with save_pretrained, and converted: family -> (folder,
+    GGUF)."""
+    root = tmp_path_factory.mktemp("families")
     config = json.loads((tokenizer_files / "tokenizer_config.json").read_text())
     # Phi-4's tokenizer class: the converter takes its byte-level BPE (not tokenizer.model)
     config["tokenizer_class"] = "GPT2Tokenizer"
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    gguf = tmp_path / f"tiny-{family}-converted.gguf"
-    run = subprocess.run([sys.executable, "-c", CONVERT, str(converter), str(folder),
-                          "--outfile", str(gguf), "--outtype", "f32"],
-                         capture_output=True, text=True, timeout=600)
+    made = {}
+    for family, overrides in FAMILIES.items():
+        folder = root / f"tiny-{family}"
+        hf_model(ARCH.get(family, family), seed=9, vocab_size=49152, tie_word_embeddings=True,
+                 **overrides).save_pretrained(folder, safe_serialization=True)
+        shutil.copy(tokenizer_files / "tokenizer.json", folder / "tokenizer.json")
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
+        made[family] = (folder, root / f"tiny-{family}-converted.gguf")
+    run = subprocess.run([sys.executable, "-c", CONVERT, str(converter),
+                          *(str(p) for pair in made.values() for p in pair)],
+                         capture_output=True, text=True, timeout=1200)
     assert run.returncode == 0, run.stderr[-2000:]
+    return made
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_converted_gguf_pulls_as_its_folder(family, converted, tmp_path, monkeypatch):
+    folder, gguf = converted[family]
+    error = gguf.with_name(gguf.name + ".error")
+    assert not error.exists(), error.read_text()[-2000:]
     from storage import gguf as gguf_io
 
     reader = gguf_io.open_reader(gguf)  # the count the pull's progress and header room take
