@@ -39,6 +39,11 @@ class ServerProcess:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def start(self, timeout: float = 120.0) -> ServerProcess:
+        return self.launch().ready(timeout)
+
+    def launch(self) -> ServerProcess:
+        """The process started, not waited for (ready() waits): servers launched together
+        load together."""
         env = dict(os.environ, LOCALSERVE_HOME=str(self.home), HF_HUB_OFFLINE="1",
                    PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(
@@ -46,6 +51,10 @@ class ServerProcess:
              *(["--store", self.store] if self.store else [])],
             stdout=subprocess.DEVNULL, stderr=self.log.open("w"), env=env,
             cwd=Path(__file__).resolve().parents[2])
+        return self
+
+    def ready(self, timeout: float = 120.0) -> ServerProcess:
+        """Once it serves: its port read from its log, then /health answered 200."""
         deadline = time.monotonic() + timeout
         while not self.port:
             self._check_alive(deadline)

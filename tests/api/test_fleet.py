@@ -38,11 +38,13 @@ def fleet(postgres, tiny_home, tmp_path):
     store = postgres.create_database()
     replicas = []
     try:
-        for name in ("a", "b"):
+        for name in ("a", "b"):  # launched together: they load side by side
             replicas.append(ServerProcess(
                 home_with_models(tiny_home, tmp_path / name),
                 [MODEL, "--stale-seconds", STALE, "--batch-max-running", "8"],
-                tmp_path / f"{name}.log", store=store).start())
+                tmp_path / f"{name}.log", store=store).launch())
+        for replica in replicas:
+            replica.ready()
         yield replicas
     finally:
         for replica in replicas:
