@@ -68,7 +68,7 @@ def builds(variant: Path, into: Path) -> tuple[tuple, tuple]:
     b = (layer_ops.typed(ops_b), cpu_gemm.typed(gemm_b) if gemm_b is not None else a[1])
     # what loading does to A's before its check: AMX tiles for bf16 layers, and the GEMM
     # library's AMX state asked for (without it amx_gemm.c declines every call)
-    b[0].packed_gemm_tiles(int(cpu_gemm.KIND == "amx"))
+    layer_ops.take_tiles(b[0])
     if gemm_b is not None and hasattr(b[1], "gemm_available"):
         b[1].gemm_available()
     return a, b

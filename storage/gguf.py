@@ -9,6 +9,7 @@ config is read here from llama.cpp's keys and the tokenizer through transformers
 
 from __future__ import annotations
 
+import functools
 import re
 import threading
 from collections.abc import Iterator
@@ -287,31 +288,29 @@ def open_reader(path: Path):
 
 
 _last_reader: dict[str, Any] = {}
-_classes: dict[str, type] = {}
 _patch_lock = threading.Lock()
 
 
+@functools.cache
 def _reader_class() -> type:
     """gguf.GGUFReader over a plain array of the mapped file instead of its np.memmap: every
     field and string it parses is a view of that array, and a memmap's views run Python code
     each (np.memmap.__array_finalize__), 2 of 4.3 s for smollm2-135m's file. The same bytes,
     fields and tensors: 1.5 s against 4.3, and 7.5 s against 29 for Gemma's vocabulary of
     262,144 [Intel(R) Xeon(R) Processor, AVX-512 BF16 yes, AMX yes]."""
-    if "reader" not in _classes:
-        import gguf
-        import numpy as np
+    import gguf
+    import numpy as np
 
-        class Reader(gguf.GGUFReader):
-            @property
-            def data(self):
-                return self._array
+    class Reader(gguf.GGUFReader):
+        @property
+        def data(self):
+            return self._array
 
-            @data.setter
-            def data(self, mapped):
-                self._array = mapped.view(np.ndarray)  # its base keeps the mapping open
+        @data.setter
+        def data(self, mapped):
+            self._array = mapped.view(np.ndarray)  # its base keeps the mapping open
 
-        _classes["reader"] = Reader
-    return _classes["reader"]
+    return Reader
 
 
 @contextmanager

@@ -66,10 +66,15 @@ def _self_check(lib) -> str | None:
     """None if every function matches PyTorch within rounding and gives each row the same bits
     alone and batched; else what failed (layer_checks.py). packed_gemm takes AMX tiles first
     where int4 layers do (cpu_gemm's kind `amx`), so the check is of the kernel that runs."""
+    take_tiles(lib)
+    return layer_checks.self_check(sys.modules[__name__], lib)
+
+
+def take_tiles(lib) -> None:
+    """`lib`'s packed_gemm on AMX tiles where int4 layers take them (cpu_gemm's kind `amx`)."""
     import server.kernels.cpu_gemm as cpu_gemm  # (its own library; no cycle)
 
     lib.packed_gemm_tiles(int(cpu_gemm.KIND == "amx"))
-    return layer_checks.self_check(sys.modules[__name__], lib)
 
 
 def typed(lib):
