@@ -181,11 +181,9 @@ def default_memory_limit() -> int | None:
 
 
 def _give_back_memory() -> None:
-    import gc
+    from server.engine.engine import collect_everything, release_freed_memory
 
-    from server.engine.engine import release_freed_memory
-
-    gc.collect()
+    collect_everything()  # the engine let go was frozen with the rest (settle_heap)
     release_freed_memory()
 
 

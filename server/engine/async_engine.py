@@ -15,7 +15,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from server.engine.detokenizer import IncrementalDetokenizer
-from server.engine.engine import Engine, EngineConfig, StepOutput, release_freed_memory
+from server.engine.engine import (Engine, EngineConfig, StepOutput, release_freed_memory,
+                                  settle_heap)
 from server.engine.output import CompletionChunk, OutputProcessor, RequestOutput
 from server.engine.sequence import (
     PRIORITY_INTERACTIVE,
@@ -282,4 +283,6 @@ def load_engine(
         return engine
 
     eos = tuple(stored.manifest["tokenizer"]["eos_token_ids"])
-    return AsyncEngine(build, load_tokenizer(stored), eos, turns)
+    engine = AsyncEngine(build, load_tokenizer(stored), eos, turns)
+    settle_heap()  # the model's objects live as long as the engine: out of the collector's way
+    return engine
