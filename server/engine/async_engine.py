@@ -15,8 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from server.engine.detokenizer import IncrementalDetokenizer
-from server.engine.engine import (Engine, EngineConfig, StepOutput, release_freed_memory,
-                                  settle_heap)
+from server.engine.engine import Engine, EngineConfig, StepOutput, release_freed_memory, settle_heap
 from server.engine.output import CompletionChunk, OutputProcessor, RequestOutput
 from server.engine.sequence import (
     PRIORITY_INTERACTIVE,

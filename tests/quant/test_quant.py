@@ -821,6 +821,43 @@ def test_homes_share_the_folder_native_cache_names(tmp_path, monkeypatch):
     assert own.parent == tmp_path / "two" / "cache" / "native" and own.name == first.name
 
 
+def test_a_librarys_sources_compile_side_by_side(tmp_path, monkeypatch):
+    """Each source of a library by its own `cc`, all at once, then linked (layer_ops' four took
+    12 s one after another): a compiler that waits for the other source's to have started
+    could never finish one at a time. Nothing but the library stays in the folder, and a
+    source that does not compile is said by name."""
+    import shutil
+
+    from server.kernels import loader as native
+
+    marks = tmp_path / "started"
+    marks.mkdir()
+    cc = tmp_path / "cc"
+    cc.write_text(f"""#!/bin/sh
+case " $* " in *" -c "*)
+  touch "{marks}/$$"
+  for i in $(seq 300); do [ "$(ls "{marks}" | wc -l)" -ge 2 ] && break; sleep 0.1; done
+  [ "$(ls "{marks}" | wc -l)" -ge 2 ] || exit 3;;
+esac
+exec {shutil.which("cc") or shutil.which("gcc")} "$@"
+""")
+    cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(cc))
+    monkeypatch.setenv("LOCALSERVE_NATIVE_CACHE", str(tmp_path / "cache"))
+    sources = (tmp_path / "one.c", tmp_path / "two.c")
+    sources[0].write_text("int one(void) { return 1; }\n")
+    sources[1].write_text("int two(void) { return 2; }\n")
+    built = native._build(sources)
+    library = ctypes.CDLL(str(built))
+    assert (library.one(), library.two()) == (1, 2)
+    assert len(list(marks.iterdir())) == 2  # one compiler a source
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [built.name]
+    sources[1].write_text("int two(void) { return }\n")
+    with pytest.raises(OSError, match="two.c"):
+        native._build(sources)
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [built.name]
+
+
 def test_the_wheel_ships_every_file_of_the_packages(tmp_path):
     """`pip install .` (the Dockerfile's) compiles the kernels on first use from the installed
     files: a header (then prefetch.h) missing from the wheel made every kernel's build fail
