@@ -15,6 +15,11 @@
  * end. Groups and input widths must be multiples of 32 (one tile's depth); other layers take
  * avx512_gemm.c's kernels, whatever the row count.
  *
+ * int8 calls of one row (the LM head at one sequence) take AVX-512 FMAs instead, in the order
+ * TDPBF16PS sums, so with the tiles' bits (block8_row; checked against the tiles once on this
+ * CPU, else the tiles): the tiles spent most of that call widening the weights to bf16 for B
+ * tiles, 1.5x the FMAs' time.
+ *
  * Batch invariance: a tile row's sums depend on that row of x and the weights only, and every
  * row of a call takes the same instructions whatever the row count (rows are padded with zeros
  * to whole tiles, tile rows past the call's are never read back; a call of fewer than 16 rows
@@ -226,6 +231,107 @@ static void block8_amx(const uint16_t *xp, int64_t k, const int8_t *blk, const f
     }
 }
 
+#define MXCSR_FTZ_DAZ 0x8040
+
+/* One row against one block of 32 outputs of the int8 layout, with AVX-512 FMAs in the order
+ * TDPBF16PS sums (KERNELS.md: per tile product, output and input pair, the even inputs'
+ * products in one chain of fused adds from zero and the odd inputs' in another, then
+ * tile += even + odd), so bit for bit block8_amx's sums for that row; the caller sets MXCSR's
+ * flush-to-zero and denormals-are-zero, as the tiles have them. A pair's 64 bytes hold
+ * outputs 0-31's even and odd weights side by side: 16 of them widened to fp32 are 8 outputs'
+ * (even, odd), against the row's pair (x even, x odd) repeated, so each lane is one chain. */
+static void block8_row(const float *xf, int64_t k, const int8_t *blk, const float *scale,
+                       void *y, int out_fp32) {
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
+                                           28, 30);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    __m512 sums[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t c = 0; c < k; c += CHUNK) {
+        const int8_t *pk = blk + c / 2 * 64;
+        ahead(pk, TILE_ROWS * 64);
+        __m512 chain[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                           _mm512_setzero_ps()};
+        for (int p = 0; p < TILE_ROWS; p++) {
+            double pair;
+            memcpy(&pair, xf + c + 2 * p, sizeof pair);
+            const __m512 xp = _mm512_castpd_ps(_mm512_set1_pd(pair));
+            for (int q = 0; q < 4; q++) {
+                const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                    _mm_loadu_si128((const __m128i *)(pk + p * 64 + q * 16))));
+                chain[q] = _mm512_fmadd_ps(xp, w, chain[q]);
+            }
+        }
+        for (int h = 0; h < 2; h++) {
+            const __m512 e = _mm512_permutex2var_ps(chain[2 * h], even, chain[2 * h + 1]);
+            const __m512 o = _mm512_permutex2var_ps(chain[2 * h], odd, chain[2 * h + 1]);
+            sums[h] = _mm512_add_ps(sums[h], _mm512_add_ps(e, o));
+        }
+    }
+    store_outputs(y, _mm512_mul_ps(sums[0], _mm512_loadu_ps(scale)),
+                  _mm512_mul_ps(sums[1], _mm512_loadu_ps(scale + 16)), out_fp32);
+}
+
+/* One row through block8_row, every block. */
+static void int8_row(const float *xf, const int8_t *packed, const float *scale, void *y,
+                     int64_t n, int64_t k, int out_fp32) {
+    const int64_t blocks = n / 32;
+    #pragma omp parallel if (blocks >= 4)
+    {
+        const unsigned int mxcsr = _mm_getcsr();
+        _mm_setcsr(mxcsr | MXCSR_FTZ_DAZ);
+        #pragma omp for schedule(static)
+        for (int64_t b = 0; b < blocks; b++)
+            block8_row(xf, k, packed + b * k * 32, scale + b * 32,
+                       (char *)y + b * 32 * (out_fp32 ? 4 : 2), out_fp32);
+        _mm_setcsr(mxcsr);
+    }
+}
+
+/* Whether block8_row gives block8_amx's bits on this CPU (the order it copies was measured on
+ * one AMX model): one block of 32 outputs x 512 inputs, 8 rows whose values span zero,
+ * denormals and 2^40, each through both; asked once (int8_row_path). */
+static int int8_row_agrees(void) {
+    enum { K = 512, CHECKED_ROWS = 8 };
+    static int8_t blk[32 * K] __attribute__((aligned(64)));
+    static uint16_t x[16 * K] __attribute__((aligned(64)));
+    static float xf[K], scale[32], tiles[32], fmas[32];
+    uint32_t state = 12345;
+    for (int j = 0; j < 32 * K; j++) {
+        state = state * 1664525u + 1013904223u;
+        blk[j] = (int8_t)((state >> 24) % 255 - 127);
+    }
+    for (int j = 0; j < 32; j++) scale[j] = 1.0f;
+    int agrees = 1;
+    for (int row = 0; row < CHECKED_ROWS && agrees; row++) {
+        memset(x, 0, sizeof x);
+        for (int j = 0; j < K; j++) {
+            state = state * 1664525u + 1013904223u;
+            const uint32_t exponent = row == 0 ? (state >> 8) % 4 : (state >> 8) % 168;
+            x[j] = (state >> 31) << 15 | exponent << 7 | ((state >> 16) & 0x7F);
+            if ((state >> 20) % 17 == 0) x[j] = 0;
+            xf[j] = bf16_to_float(x[j]);
+        }
+        configure_tiles(1);
+        block8_amx(x, K, blk, scale, tiles, 32, 1, 1, 0);
+        _tile_release();
+        const unsigned int mxcsr = _mm_getcsr();
+        _mm_setcsr(mxcsr | MXCSR_FTZ_DAZ);
+        block8_row(xf, K, blk, scale, fmas, 1);
+        _mm_setcsr(mxcsr);
+        agrees = memcmp(tiles, fmas, sizeof tiles) == 0;
+    }
+    return agrees;
+}
+
+static int row_path = -1;  /* -1 not asked yet */
+
+/* 1 where one-row calls of amx_int8_gemm take block8_row (bit for bit the tiles, checked here
+ * once), 0 where they keep the tiles. */
+int amx_int8_row_path(void) {
+    if (row_path < 0) row_path = amx_state == 1 && int8_row_agrees();
+    return row_path;
+}
+
 /* As avx512_gemm.c's int8_gemm. */
 int amx_int8_gemm(const uint16_t *x, const int8_t *packed, const float *scale, void *y, int64_t m,
                   int64_t n, int64_t k, int out_fp32) {
@@ -233,6 +339,14 @@ int amx_int8_gemm(const uint16_t *x, const int8_t *packed, const float *scale, v
         return amx_state == 1 ? avx512_int8_gemm(x, packed, scale, y, m, n, k, out_fp32) : 1;
     if (n % 32) return 1;
     if (m == 0) return 0;
+    if (m == 1 && amx_int8_row_path()) {
+        float *xf = aligned_alloc(64, (size_t)((k * 4 + 63) / 64 * 64));
+        if (!xf) return 1;
+        for (int64_t j = 0; j < k; j++) xf[j] = bf16_to_float(x[j]);
+        int8_row(xf, packed, scale, y, n, k, out_fp32);
+        free(xf);
+        return 0;
+    }
     int64_t blocks = n / 32;
     uint16_t *xp = padded_rows(x, m, k);
     if (!xp) return 1;
@@ -267,6 +381,8 @@ int amx_int4_gemm(const void *x, const void *packed, void *y, void *xsum, int64_
 }
 
 int amx_gemm_a8(void) { return 0; }
+
+int amx_int8_row_path(void) { return 0; }
 
 int amx_int8_gemm(const void *x, const void *packed, const void *scale, void *y, int64_t m,
                   int64_t n, int64_t k, int out_fp32) {
