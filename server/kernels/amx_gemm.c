@@ -15,10 +15,12 @@
  * end. Groups and input widths must be multiples of 32 (one tile's depth); other layers take
  * avx512_gemm.c's kernels, whatever the row count.
  *
- * int8 calls of one row (the LM head at one sequence) take AVX-512 FMAs instead, in the order
- * TDPBF16PS sums, so with the tiles' bits (block8_row; checked against the tiles once on this
- * CPU, else the tiles): the tiles spent most of that call widening the weights to bf16 for B
- * tiles, 1.5x the FMAs' time.
+ * Calls of one row (a decode step at one sequence: the LM head, q/k/v) take AVX-512 FMAs
+ * instead, in the order TDPBF16PS sums, so with the tiles' bits (block8_row, block4_row; each
+ * checked against the tiles once on this CPU, else the tiles): the tiles spent most of such a
+ * call widening the weights to bf16 for B tiles (the int8 head 1.5x the FMAs' time, int4
+ * layers 1.2x). Both run with MXCSR's flush-to-zero and denormals-are-zero set, as the tiles
+ * compute, and so do the int4 tiles' per-group fp32 steps.
  *
  * Batch invariance: a tile row's sums depend on that row of x and the weights only, and every
  * row of a call takes the same instructions whatever the row count (rows are padded with zeros
@@ -151,6 +153,144 @@ int amx_gemm_available(void) {
     return amx_state;
 }
 
+#define MXCSR_FTZ_DAZ 0x8040  /* flush-to-zero, denormals-are-zero: as the tiles compute */
+
+/* One row's sums of x * (q - 8) over one group of 32 outputs of the int4 layout, with AVX-512
+ * FMAs in the order TDPBF16PS sums (block8_row's chains): bit for bit what block_amx's tiles
+ * hold for the row, under the same MXCSR (flush-to-zero and denormals-are-zero: the callers
+ * set them for both). A pair's 32 bytes: bytes 2i + h hold input 2p + h of output i (low
+ * nibble) and 16 + i (high), so 16 bytes widened are 8 outputs' (even, odd) lanes, and vpermps
+ * takes an index's low 4 bits: q - 8 from a table. */
+static inline void row_group(const float *xg, const uint8_t *nibbles, int64_t group,
+                             __m512 sums[2]) {
+    const __m512 table = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
+                                           28, 30);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    sums[0] = sums[1] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < group; c += CHUNK) {
+        const uint8_t *pk = nibbles + c / 2 * 32;
+        /* chain[q]: outputs 8q..8q+7 (q 0, 1 the low nibbles, 2, 3 the high ones) */
+        __m512 chain[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                           _mm512_setzero_ps()};
+        for (int p = 0; p < TILE_ROWS; p++) {
+            double pair;
+            memcpy(&pair, xg + c + 2 * p, sizeof pair);
+            const __m512 xp = _mm512_castpd_ps(_mm512_set1_pd(pair));
+            for (int half = 0; half < 2; half++) {
+                const __m512i v = _mm512_cvtepu8_epi32(
+                    _mm_loadu_si128((const __m128i *)(pk + p * 32 + half * 16)));
+                chain[half] = _mm512_fmadd_ps(xp, _mm512_permutexvar_ps(v, table), chain[half]);
+                chain[2 + half] = _mm512_fmadd_ps(
+                    xp, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table), chain[2 + half]);
+            }
+        }
+        for (int h = 0; h < 2; h++) {
+            const __m512 e = _mm512_permutex2var_ps(chain[2 * h], even, chain[2 * h + 1]);
+            const __m512 o = _mm512_permutex2var_ps(chain[2 * h], odd, chain[2 * h + 1]);
+            sums[h] = _mm512_add_ps(sums[h], _mm512_add_ps(e, o));
+        }
+    }
+}
+
+/* One row against one block of 32 outputs of the int4 layout, as block_amx: each group's sums
+ * by row_group, then scaled as scale_group scales them. */
+static void block4_row(const float *xf, const float *xsum, int64_t groups, int64_t group,
+                       const uint8_t *blk, uint16_t *y) {
+    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *head = blk + g * group_bytes(group);
+        ahead(head, group_bytes(group));
+        __m512 sums[2];
+        row_group(xf + g * group, head + GROUP_HEAD, group, sums);
+        const __m512 xs = _mm512_set1_ps(xsum[g]);
+        acc[0] = _mm512_add_ps(_mm512_add_ps(acc[0], _mm512_mul_ps(sums[0], half16(head))),
+                               _mm512_mul_ps(xs, half16(head + 64)));
+        acc[1] = _mm512_add_ps(_mm512_add_ps(acc[1], _mm512_mul_ps(sums[1], half16(head + 32))),
+                               _mm512_mul_ps(xs, half16(head + 96)));
+    }
+    store_bf16(y, acc[0]);
+    store_bf16(y + 16, acc[1]);
+}
+
+/* Whether block4_row gives block_amx's bits on this CPU: one block of 32 outputs x 512 inputs
+ * in groups of 32 and of 64 (scales and zeros of many sizes), 8 rows whose values span zero,
+ * denormals and 2^40: each group's fp32 sums from the tiles and from row_group, and the rows'
+ * outputs through both. */
+static int int4_row_agrees(void) {
+    enum { K = 512, CHECKED_ROWS = 8 };
+    static uint8_t blk[K / 32 * (GROUP_HEAD + 32 * 16)] __attribute__((aligned(64)));
+    static uint16_t x[16 * K] __attribute__((aligned(64)));
+    static float xf[K], xsum[K / 32];
+    uint16_t tiles[32], fmas[32];
+    uint32_t state = 54321;
+    const __m512i nibbles = nibble_table();
+    int agrees = 1;
+    for (int64_t group = 32; group <= 64 && agrees; group *= 2) {
+        const int64_t groups = K / group;
+        for (int64_t g = 0; g < groups; g++) {
+            uint8_t *head = blk + g * group_bytes(group);
+            for (int j = 0; j < 64; j++) {  /* fp16 scales (positive) and zeros, 2^-10..2^5 */
+                state = state * 1664525u + 1013904223u;
+                const uint16_t h = (uint16_t)(((state >> 8) % 16 + 5) << 10 | (state >> 16) % 1024);
+                const uint16_t bits = j < 32 ? h : (uint16_t)(h | (state >> 31) << 15);
+                memcpy(head + 2 * j, &bits, 2);
+            }
+            for (int64_t j = 0; j < group * 16; j++) {
+                state = state * 1664525u + 1013904223u;
+                head[GROUP_HEAD + j] = (uint8_t)(state >> 24);
+            }
+        }
+        for (int row = 0; row < CHECKED_ROWS && agrees; row++) {
+            memset(x, 0, sizeof x);
+            for (int j = 0; j < K; j++) {
+                state = state * 1664525u + 1013904223u;
+                const uint32_t exponent = row == 0 ? (state >> 8) % 4 : (state >> 8) % 168;
+                x[j] = (uint16_t)((state >> 31) << 15 | exponent << 7 | ((state >> 16) & 0x7F));
+                if ((state >> 20) % 17 == 0) x[j] = 0;
+                xf[j] = bf16_to_float(x[j]);
+            }
+            group_sums(x, xsum, 1, K, group);
+            const unsigned int mxcsr = _mm_getcsr();
+            _mm_setcsr(mxcsr | MXCSR_FTZ_DAZ);
+            configure_tiles(1);
+            for (int64_t g = 0; g < groups && agrees; g++) {  /* each group's fp32 sums */
+                __attribute__((aligned(64))) uint16_t w[2][TILE_ROWS][32];
+                __attribute__((aligned(64))) float held[2][TILE_ROWS][16];
+                const uint8_t *pk = blk + g * group_bytes(group) + GROUP_HEAD;
+                zero_sums();
+                for (int64_t c = 0; c < group; c += CHUNK) {
+                    unpack_chunk(pk + c / 2 * 32, nibbles, w);
+                    tile_load(6, w[0], 64);
+                    tile_load(7, w[1], 64);
+                    chunk_products(x + g * group + c, K, 1);
+                }
+                store_sums(held, 1);
+                __m512 sums[2];
+                row_group(xf + g * group, pk, group, sums);
+                agrees = memcmp(held[0][0], &sums[0], 64) == 0 &&
+                         memcmp(held[1][0], &sums[1], 64) == 0;
+            }
+            block_amx(x, K, xsum, groups, group, blk, NULL, tiles, 32, 1, nibbles, 0);
+            _tile_release();
+            block4_row(xf, xsum, groups, group, blk, fmas);
+            _mm_setcsr(mxcsr);
+            agrees = agrees && memcmp(tiles, fmas, sizeof tiles) == 0;
+        }
+    }
+    return agrees;
+}
+
+static int int4_row = -1;  /* -1 not asked yet */
+
+/* 1 where one-row calls of amx_int4_gemm's tile outputs take block4_row (bit for bit the
+ * tiles, checked here once), 0 where they keep the tiles. */
+int amx_int4_row_path(void) {
+    if (int4_row < 0) int4_row = amx_gemm_available() == 1 && int4_row_agrees();
+    return int4_row;
+}
+
+
 /* As avx512_gemm.c's int4_gemm (same arguments and results but for the order of the sums). */
 int amx_int4_gemm(const uint16_t *x, const uint8_t *packed, uint16_t *y, float *xsum, int64_t m,
                   int64_t n, int64_t k, int64_t group, int64_t int8_from) {
@@ -167,12 +307,32 @@ int amx_int4_gemm(const uint16_t *x, const uint8_t *packed, uint16_t *y, float *
         if (!blocks) return 0;
     }
     group_sums(x, xsum, m, k, group);
+    if (m == 1 && amx_int4_row_path()) {
+        float *xf = aligned_alloc(64, (size_t)((k * 4 + 63) / 64 * 64));
+        if (!xf) return 1;
+        for (int64_t j = 0; j < k; j++) xf[j] = bf16_to_float(x[j]);
+        #pragma omp parallel if (blocks >= 4)
+        {
+            const unsigned int mxcsr = _mm_getcsr();
+            _mm_setcsr(mxcsr | MXCSR_FTZ_DAZ);
+            #pragma omp for schedule(static)
+            for (int64_t b = 0; b < blocks; b++)
+                block4_row(xf, xsum, groups, group, packed + b * groups * group_bytes(group),
+                           y + b * 32);
+            _mm_setcsr(mxcsr);
+        }
+        free(xf);
+        return 0;
+    }
     uint16_t *xp = padded_rows(x, m, k);
     if (!xp) return 1;
     const __m512i table = nibble_table();
     int failed = 0;
     #pragma omp parallel if (blocks >= 4) reduction(|:failed)
     {
+        /* The tiles flush denormals; the groups' fp32 steps here do too (block4_row's). */
+        const unsigned int mxcsr = _mm_getcsr();
+        _mm_setcsr(mxcsr | MXCSR_FTZ_DAZ);
         /* More than 32 rows: each block's chunks are unpacked once, for every 32 rows. */
         uint16_t *unpacked = NULL;
         if (m > 2 * TILE_ROWS) {
@@ -197,6 +357,7 @@ int amx_int4_gemm(const uint16_t *x, const uint8_t *packed, uint16_t *y, float *
             }
         }
         _tile_release();
+        _mm_setcsr(mxcsr);
         free(unpacked);
     }
     free(xp);
@@ -230,8 +391,6 @@ static void block8_amx(const uint16_t *xp, int64_t k, const int8_t *blk, const f
                       _mm512_mul_ps(_mm512_load_ps(sums[2 * t + 1][row]), s1), out_fp32);
     }
 }
-
-#define MXCSR_FTZ_DAZ 0x8040
 
 /* One row against one block of 32 outputs of the int8 layout, with AVX-512 FMAs in the order
  * TDPBF16PS sums (KERNELS.md: per tile product, output and input pair, the even inputs'
@@ -383,6 +542,8 @@ int amx_int4_gemm(const void *x, const void *packed, void *y, void *xsum, int64_
 int amx_gemm_a8(void) { return 0; }
 
 int amx_int8_row_path(void) { return 0; }
+
+int amx_int4_row_path(void) { return 0; }
 
 int amx_int8_gemm(const void *x, const void *packed, const void *scale, void *y, int64_t m,
                   int64_t n, int64_t k, int out_fp32) {

@@ -244,6 +244,35 @@ def test_amx_rows_get_the_same_bits_alone_and_among_others():
         check(lambda rows, dtype=dtype: cpu_gemm.gemm_int8(rows, q8, s8, lib, dtype))
 
 
+@pytest.mark.skipif("amx" not in KERNEL_KINDS, reason="needs AMX")
+def test_one_row_takes_fmas_with_the_tiles_bits():
+    """amx_gemm.c's one-row calls (int8: the LM head; int4: the outputs that keep bf16 inputs,
+    q/k/v) take AVX-512 FMAs in TDPBF16PS's order, each path on only where its check at load
+    found the tiles' bits on this CPU: here, so the test above holds it to a row alone against
+    rows in tiles; and a one-row call equals that row of a 3-row call bit for bit, logits in
+    fp32 included."""
+    from server.kernels import cpu_gemm
+
+    lib = cpu_gemm.of_kind("amx")
+    paths = (lib.int8_row_path(), lib.int4_row_path())
+    assert set(paths) <= {0, 1}
+    if paths != (1, 1):
+        pytest.skip(f"this CPU's tiles sum in another order ({paths}): one row keeps the tiles")
+    g = torch.Generator().manual_seed(11)
+    x = (torch.randn(3, 576, generator=g) * 3).bfloat16()
+    q = torch.randint(0, 16, (192, 576), generator=g, dtype=torch.uint8)
+    scale, zero = (torch.rand(192, 18, generator=g) / 8).half(), (torch.randn(192, 18) / 4).half()
+    layout = cpu_gemm.pack_int4(q, scale, zero, 32)
+    three = cpu_gemm.gemm(x, layout, 32, lib)
+    assert all(torch.equal(cpu_gemm.gemm(x[i:i + 1], layout, 32, lib).view(torch.int16),
+                           three[i:i + 1].view(torch.int16)) for i in range(3))
+    q8 = cpu_gemm.pack_int8(torch.randint(-127, 128, (4096, 576), generator=g, dtype=torch.int8))
+    s8 = torch.rand(4096, generator=g) / 100
+    logits = cpu_gemm.gemm_int8(x, q8, s8, lib, torch.float32)
+    assert all(torch.equal(cpu_gemm.gemm_int8(x[i:i + 1], q8, s8, lib, torch.float32).view(
+        torch.int32), logits[i:i + 1].view(torch.int32)) for i in range(3))
+
+
 @pytest.mark.skipif(len(KERNEL_KINDS) < 2, reason="needs a CPU that runs two kinds")
 def test_a_kind_whose_library_is_refused_hands_over_to_the_next(monkeypatch):
     """amx_gemm.c where the OS refuses AMX state (or any kind whose build or check fails):
