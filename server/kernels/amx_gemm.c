@@ -155,8 +155,42 @@ int amx_gemm_available(void) {
 
 #define MXCSR_FTZ_DAZ 0x8040  /* flush-to-zero, denormals-are-zero: as the tiles compute */
 
+/* The FMA paths' shared steps, in TDPBF16PS's order: a row's input pair (x even, x odd)
+ * repeated over 16 lanes (each lane's fused-add chain takes one of them); and per tile product
+ * sums += even chain + odd chain, for 32 outputs whose chains are chain[0..3], 8 outputs each,
+ * their lanes (even, odd) side by side. */
+static inline __m512 input_pair(const float *x) {
+    double pair;
+    memcpy(&pair, x, sizeof pair);
+    return _mm512_castpd_ps(_mm512_set1_pd(pair));
+}
+
+static inline void fold_chains(const __m512 chain[4], __m512 sums[2]) {
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
+                                           28, 30);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    for (int h = 0; h < 2; h++) {
+        const __m512 e = _mm512_permutex2var_ps(chain[2 * h], even, chain[2 * h + 1]);
+        const __m512 o = _mm512_permutex2var_ps(chain[2 * h], odd, chain[2 * h + 1]);
+        sums[h] = _mm512_add_ps(sums[h], _mm512_add_ps(e, o));
+    }
+}
+
+/* Row `row` of a check's rows (k values, zero-padded to 16 rows in x, and as fp32 in xf):
+ * row 0 tiny values and denormals, the others spanning them to 2^40, a sixteenth zeros. */
+static void check_row(uint16_t *x, float *xf, int64_t k, int row, uint32_t *state) {
+    memset(x, 0, (size_t)(16 * k * 2));
+    for (int64_t j = 0; j < k; j++) {
+        *state = *state * 1664525u + 1013904223u;
+        const uint32_t exponent = row == 0 ? (*state >> 8) % 4 : (*state >> 8) % 168;
+        x[j] = (uint16_t)((*state >> 31) << 15 | exponent << 7 | ((*state >> 16) & 0x7F));
+        if ((*state >> 20) % 17 == 0) x[j] = 0;
+        xf[j] = bf16_to_float(x[j]);
+    }
+}
+
 /* One row's sums of x * (q - 8) over one group of 32 outputs of the int4 layout, with AVX-512
- * FMAs in the order TDPBF16PS sums (block8_row's chains): bit for bit what block_amx's tiles
+ * FMAs in the order TDPBF16PS sums (input_pair, fold_chains): bit for bit what block_amx's tiles
  * hold for the row, under the same MXCSR (flush-to-zero and denormals-are-zero: the callers
  * set them for both). A pair's 32 bytes: bytes 2i + h hold input 2p + h of output i (low
  * nibble) and 16 + i (high), so 16 bytes widened are 8 outputs' (even, odd) lanes, and vpermps
@@ -164,9 +198,6 @@ int amx_gemm_available(void) {
 static inline void row_group(const float *xg, const uint8_t *nibbles, int64_t group,
                              __m512 sums[2]) {
     const __m512 table = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
-    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
-                                           28, 30);
-    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
     sums[0] = sums[1] = _mm512_setzero_ps();
     for (int64_t c = 0; c < group; c += CHUNK) {
         const uint8_t *pk = nibbles + c / 2 * 32;
@@ -174,9 +205,7 @@ static inline void row_group(const float *xg, const uint8_t *nibbles, int64_t gr
         __m512 chain[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
                            _mm512_setzero_ps()};
         for (int p = 0; p < TILE_ROWS; p++) {
-            double pair;
-            memcpy(&pair, xg + c + 2 * p, sizeof pair);
-            const __m512 xp = _mm512_castpd_ps(_mm512_set1_pd(pair));
+            const __m512 xp = input_pair(xg + c + 2 * p);
             for (int half = 0; half < 2; half++) {
                 const __m512i v = _mm512_cvtepu8_epi32(
                     _mm_loadu_si128((const __m128i *)(pk + p * 32 + half * 16)));
@@ -185,11 +214,7 @@ static inline void row_group(const float *xg, const uint8_t *nibbles, int64_t gr
                     xp, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table), chain[2 + half]);
             }
         }
-        for (int h = 0; h < 2; h++) {
-            const __m512 e = _mm512_permutex2var_ps(chain[2 * h], even, chain[2 * h + 1]);
-            const __m512 o = _mm512_permutex2var_ps(chain[2 * h], odd, chain[2 * h + 1]);
-            sums[h] = _mm512_add_ps(sums[h], _mm512_add_ps(e, o));
-        }
+        fold_chains(chain, sums);
     }
 }
 
@@ -242,14 +267,7 @@ static int int4_row_agrees(void) {
             }
         }
         for (int row = 0; row < CHECKED_ROWS && agrees; row++) {
-            memset(x, 0, sizeof x);
-            for (int j = 0; j < K; j++) {
-                state = state * 1664525u + 1013904223u;
-                const uint32_t exponent = row == 0 ? (state >> 8) % 4 : (state >> 8) % 168;
-                x[j] = (uint16_t)((state >> 31) << 15 | exponent << 7 | ((state >> 16) & 0x7F));
-                if ((state >> 20) % 17 == 0) x[j] = 0;
-                xf[j] = bf16_to_float(x[j]);
-            }
+            check_row(x, xf, K, row, &state);
             group_sums(x, xsum, 1, K, group);
             const unsigned int mxcsr = _mm_getcsr();
             _mm_setcsr(mxcsr | MXCSR_FTZ_DAZ);
@@ -401,9 +419,6 @@ static void block8_amx(const uint16_t *xp, int64_t k, const int8_t *blk, const f
  * (even, odd), against the row's pair (x even, x odd) repeated, so each lane is one chain. */
 static void block8_row(const float *xf, int64_t k, const int8_t *blk, const float *scale,
                        void *y, int out_fp32) {
-    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
-                                           28, 30);
-    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
     __m512 sums[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
     for (int64_t c = 0; c < k; c += CHUNK) {
         const int8_t *pk = blk + c / 2 * 64;
@@ -411,20 +426,14 @@ static void block8_row(const float *xf, int64_t k, const int8_t *blk, const floa
         __m512 chain[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
                            _mm512_setzero_ps()};
         for (int p = 0; p < TILE_ROWS; p++) {
-            double pair;
-            memcpy(&pair, xf + c + 2 * p, sizeof pair);
-            const __m512 xp = _mm512_castpd_ps(_mm512_set1_pd(pair));
+            const __m512 xp = input_pair(xf + c + 2 * p);
             for (int q = 0; q < 4; q++) {
                 const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
                     _mm_loadu_si128((const __m128i *)(pk + p * 64 + q * 16))));
                 chain[q] = _mm512_fmadd_ps(xp, w, chain[q]);
             }
         }
-        for (int h = 0; h < 2; h++) {
-            const __m512 e = _mm512_permutex2var_ps(chain[2 * h], even, chain[2 * h + 1]);
-            const __m512 o = _mm512_permutex2var_ps(chain[2 * h], odd, chain[2 * h + 1]);
-            sums[h] = _mm512_add_ps(sums[h], _mm512_add_ps(e, o));
-        }
+        fold_chains(chain, sums);
     }
     store_outputs(y, _mm512_mul_ps(sums[0], _mm512_loadu_ps(scale)),
                   _mm512_mul_ps(sums[1], _mm512_loadu_ps(scale + 16)), out_fp32);
@@ -462,14 +471,7 @@ static int int8_row_agrees(void) {
     for (int j = 0; j < 32; j++) scale[j] = 1.0f;
     int agrees = 1;
     for (int row = 0; row < CHECKED_ROWS && agrees; row++) {
-        memset(x, 0, sizeof x);
-        for (int j = 0; j < K; j++) {
-            state = state * 1664525u + 1013904223u;
-            const uint32_t exponent = row == 0 ? (state >> 8) % 4 : (state >> 8) % 168;
-            x[j] = (state >> 31) << 15 | exponent << 7 | ((state >> 16) & 0x7F);
-            if ((state >> 20) % 17 == 0) x[j] = 0;
-            xf[j] = bf16_to_float(x[j]);
-        }
+        check_row(x, xf, K, row, &state);
         configure_tiles(1);
         block8_amx(x, K, blk, scale, tiles, 32, 1, 1, 0);
         _tile_release();
