@@ -187,6 +187,7 @@ def _compile(cc: str, sources: tuple[Path, ...], out: str, extra: tuple[str, ...
             except subprocess.TimeoutExpired:
                 for other in steps:
                     other.kill()
+                    other.wait()
                 raise
             if step.returncode and failed is None:
                 failed = subprocess.CalledProcessError(step.returncode, step.args, stderr=err)
