@@ -17,7 +17,8 @@ a round, with their range.
 Writes benchmarks/results/compare-SHAPE-KIND.{json,md,png} and the table between the
 compare-SHAPE-KIND markers (KIND: amx, zen4, zen5, avx512 or avx2) of benchmarks/RESULTS.md;
 a run with another load than the tables' (--prompt-tokens, --output-tokens, --per-client,
---temperature, --top-p) writes compare-SHAPE-KIND-custom.* and leaves RESULTS.md alone.
+--temperature, --top-p) writes files of that load's own, compare-SHAPE-KIND-FLAG-VALUE.* (e.g.
+compare-135m-amx-per-client-12.md), and leaves RESULTS.md alone.
 """
 
 from __future__ import annotations
@@ -330,8 +331,8 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     custom = custom_load(ap, args)
 
-    def out(ext: str) -> Path:  # not with_suffix: the shape "1.7b" has a dot of its own
-        return RESULTS / f"compare-{args.shape}-{machine_kind()}{'-custom' if custom else ''}{ext}"
+    def out(ext: str) -> Path:
+        return RESULTS / results_name(args.shape, machine_kind(), custom, ext)
 
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
@@ -358,9 +359,17 @@ def main() -> None:
 LOAD = ("per_client", "prompt_tokens", "output_tokens", "temperature", "top_p")
 
 
+def results_name(shape: str, kind: str, custom: list[str], ext: str) -> str:
+    """The results file of a run: compare-SHAPE-KIND, and for another load than the tables'
+    that load's flags (`custom_load`: ["--per-client 12"] -> compare-135m-amx-per-client-12),
+    so runs of different loads keep their own files. Not with_suffix: "1.7b" has a dot."""
+    load = "".join(f"-{flag.removeprefix('--').replace(' ', '-')}" for flag in custom)
+    return f"compare-{shape}-{kind}{load}{ext}"
+
+
 def custom_load(ap: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
     """The load flags given other values than the tables of RESULTS.md were measured with
-    (such a run writes results/compare-SHAPE-KIND-custom.* and no table)."""
+    (such a run writes results/compare-SHAPE-KIND-FLAG-VALUE...* and no table)."""
     return [f"--{name.replace('_', '-')} {getattr(args, name)}" for name in LOAD
             if getattr(args, name) != ap.get_default(name)]
 

@@ -206,9 +206,13 @@ def test_only_the_tables_load_writes_a_table(monkeypatch):
     assert compare.custom_load(ap, ap.parse_args(
         ["--shape", "360m", "--levels", "1,32", "--rounds", "3", "--serve-args", "--dtype fp32"]
     )) == []
-    assert compare.custom_load(ap, ap.parse_args(
-        ["--output-tokens", "1024", "--temperature", "0.7", "--top-p", "1"])) == [
-        "--output-tokens 1024", "--temperature 0.7"]
+    custom = compare.custom_load(ap, ap.parse_args(
+        ["--output-tokens", "1024", "--temperature", "0.7", "--top-p", "1"]))
+    assert custom == ["--output-tokens 1024", "--temperature 0.7"]
+    # each load its own files: a run of another load never overwrites another's
+    assert compare.results_name("1.7b", "amx", custom, ".md") == (
+        "compare-1.7b-amx-output-tokens-1024-temperature-0.7.md")
+    assert compare.results_name("135m", "zen5", [], ".json") == "compare-135m-zen5.json"
 
 
 def test_rounds_give_medians_and_each_ratio_within_its_own_round(monkeypatch):
