@@ -189,6 +189,15 @@ static void check_row(uint16_t *x, float *xf, int64_t k, int row, uint32_t *stat
     }
 }
 
+/* A row of k bf16 values as fp32 (exact), for the FMA paths; NULL where out of memory, else
+ * free() it after. */
+static float *row_fp32(const uint16_t *x, int64_t k) {
+    float *xf = aligned_alloc(64, (size_t)((k * 4 + 63) / 64 * 64));
+    if (xf)
+        for (int64_t j = 0; j < k; j++) xf[j] = bf16_to_float(x[j]);
+    return xf;
+}
+
 /* One row's sums of x * (q - 8) over one group of 32 outputs of the int4 layout, with AVX-512
  * FMAs in the order TDPBF16PS sums (input_pair, fold_chains): bit for bit what block_amx's tiles
  * hold for the row, under the same MXCSR (flush-to-zero and denormals-are-zero: the callers
@@ -299,15 +308,34 @@ static int int4_row_agrees(void) {
     return agrees;
 }
 
-static int int4_row = -1;  /* -1 not asked yet */
+static int int4_row_ok = -1;  /* -1 not asked yet */
 
 /* 1 where one-row calls of amx_int4_gemm's tile outputs take block4_row (bit for bit the
  * tiles, checked here once), 0 where they keep the tiles. */
 int amx_int4_row_path(void) {
-    if (int4_row < 0) int4_row = amx_gemm_available() == 1 && int4_row_agrees();
-    return int4_row;
+    if (int4_row_ok < 0) int4_row_ok = amx_gemm_available() == 1 && int4_row_agrees();
+    return int4_row_ok;
 }
 
+/* One row through block4_row, every block of the call's tile outputs. */
+static int int4_row(const uint16_t *x, const float *xsum, const uint8_t *packed, uint16_t *y,
+                    int64_t blocks, int64_t k, int64_t group) {
+    float *xf = row_fp32(x, k);
+    if (!xf) return 1;
+    const int64_t groups = k / group;
+    #pragma omp parallel if (blocks >= 4)
+    {
+        const unsigned int mxcsr = _mm_getcsr();
+        _mm_setcsr(mxcsr | MXCSR_FTZ_DAZ);
+        #pragma omp for schedule(static)
+        for (int64_t b = 0; b < blocks; b++)
+            block4_row(xf, xsum, groups, group, packed + b * groups * group_bytes(group),
+                       y + b * 32);
+        _mm_setcsr(mxcsr);
+    }
+    free(xf);
+    return 0;
+}
 
 /* As avx512_gemm.c's int4_gemm (same arguments and results but for the order of the sums). */
 int amx_int4_gemm(const uint16_t *x, const uint8_t *packed, uint16_t *y, float *xsum, int64_t m,
@@ -325,23 +353,7 @@ int amx_int4_gemm(const uint16_t *x, const uint8_t *packed, uint16_t *y, float *
         if (!blocks) return 0;
     }
     group_sums(x, xsum, m, k, group);
-    if (m == 1 && amx_int4_row_path()) {
-        float *xf = aligned_alloc(64, (size_t)((k * 4 + 63) / 64 * 64));
-        if (!xf) return 1;
-        for (int64_t j = 0; j < k; j++) xf[j] = bf16_to_float(x[j]);
-        #pragma omp parallel if (blocks >= 4)
-        {
-            const unsigned int mxcsr = _mm_getcsr();
-            _mm_setcsr(mxcsr | MXCSR_FTZ_DAZ);
-            #pragma omp for schedule(static)
-            for (int64_t b = 0; b < blocks; b++)
-                block4_row(xf, xsum, groups, group, packed + b * groups * group_bytes(group),
-                           y + b * 32);
-            _mm_setcsr(mxcsr);
-        }
-        free(xf);
-        return 0;
-    }
+    if (m == 1 && amx_int4_row_path()) return int4_row(x, xsum, packed, y, blocks, k, group);
     uint16_t *xp = padded_rows(x, m, k);
     if (!xp) return 1;
     const __m512i table = nibble_table();
@@ -440,8 +452,10 @@ static void block8_row(const float *xf, int64_t k, const int8_t *blk, const floa
 }
 
 /* One row through block8_row, every block. */
-static void int8_row(const float *xf, const int8_t *packed, const float *scale, void *y,
-                     int64_t n, int64_t k, int out_fp32) {
+static int int8_row(const uint16_t *x, const int8_t *packed, const float *scale, void *y,
+                    int64_t n, int64_t k, int out_fp32) {
+    float *xf = row_fp32(x, k);
+    if (!xf) return 1;
     const int64_t blocks = n / 32;
     #pragma omp parallel if (blocks >= 4)
     {
@@ -453,6 +467,8 @@ static void int8_row(const float *xf, const int8_t *packed, const float *scale, 
                        (char *)y + b * 32 * (out_fp32 ? 4 : 2), out_fp32);
         _mm_setcsr(mxcsr);
     }
+    free(xf);
+    return 0;
 }
 
 /* Whether block8_row gives block8_amx's bits on this CPU (the order it copies was measured on
@@ -484,13 +500,13 @@ static int int8_row_agrees(void) {
     return agrees;
 }
 
-static int row_path = -1;  /* -1 not asked yet */
+static int int8_row_ok = -1;  /* -1 not asked yet */
 
 /* 1 where one-row calls of amx_int8_gemm take block8_row (bit for bit the tiles, checked here
  * once), 0 where they keep the tiles. */
 int amx_int8_row_path(void) {
-    if (row_path < 0) row_path = amx_state == 1 && int8_row_agrees();
-    return row_path;
+    if (int8_row_ok < 0) int8_row_ok = amx_state == 1 && int8_row_agrees();
+    return int8_row_ok;
 }
 
 /* As avx512_gemm.c's int8_gemm. */
@@ -500,14 +516,7 @@ int amx_int8_gemm(const uint16_t *x, const int8_t *packed, const float *scale, v
         return amx_state == 1 ? avx512_int8_gemm(x, packed, scale, y, m, n, k, out_fp32) : 1;
     if (n % 32) return 1;
     if (m == 0) return 0;
-    if (m == 1 && amx_int8_row_path()) {
-        float *xf = aligned_alloc(64, (size_t)((k * 4 + 63) / 64 * 64));
-        if (!xf) return 1;
-        for (int64_t j = 0; j < k; j++) xf[j] = bf16_to_float(x[j]);
-        int8_row(xf, packed, scale, y, n, k, out_fp32);
-        free(xf);
-        return 0;
-    }
+    if (m == 1 && amx_int8_row_path()) return int8_row(x, packed, scale, y, n, k, out_fp32);
     int64_t blocks = n / 32;
     uint16_t *xp = padded_rows(x, m, k);
     if (!xp) return 1;
