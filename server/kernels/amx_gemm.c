@@ -185,16 +185,15 @@ static void check_row(uint16_t *x, float *xf, int64_t k, int row, uint32_t *stat
         const uint32_t exponent = row == 0 ? (*state >> 8) % 4 : (*state >> 8) % 168;
         x[j] = (uint16_t)((*state >> 31) << 15 | exponent << 7 | ((*state >> 16) & 0x7F));
         if ((*state >> 20) % 17 == 0) x[j] = 0;
-        xf[j] = bf16_to_float(x[j]);
     }
+    load_row(xf, x, k, 1);
 }
 
 /* A row of k bf16 values as fp32 (exact), for the FMA paths; NULL where out of memory, else
  * free() it after. */
 static float *row_fp32(const uint16_t *x, int64_t k) {
     float *xf = aligned_alloc(64, (size_t)((k * 4 + 63) / 64 * 64));
-    if (xf)
-        for (int64_t j = 0; j < k; j++) xf[j] = bf16_to_float(x[j]);
+    if (xf) load_row(xf, x, k, 1);
     return xf;
 }
 
