@@ -217,11 +217,13 @@ PACKS = pytest.mark.skipif(not layer_ops.packs(), reason="the packed bf16 kernel
 
 
 @PACKS
-@pytest.mark.parametrize("n,k", [(16, 2), (48, 96), (80, 192), (1536, 576)])
+@pytest.mark.parametrize("n,k", [(16, 2), (48, 96), (80, 192), (1536, 576), (592, 2080)])
 def test_packed_mm_matches_the_product_and_rows_are_independent(n, k):
     """Blocks of 48 outputs and the tails of 32 and 16, passes of 8 rows and every tail; with
     AMX tiles (k a multiple of 32) passes of 32 rows x 32 outputs, a tail of 16 outputs, tiles
-    of fewer than 16 rows and padded tails of row tiles (k 2: the vdpbf16ps passes there)."""
+    of fewer than 16 rows and padded tails of row tiles (k 2: the vdpbf16ps passes there); k
+    2080 on tiles: calls of more than 32 rows in chunks of inputs (a short last one), 8 pairs
+    of output blocks at a time and a part of 8, one pass's calls whole."""
     g = torch.Generator().manual_seed(5)
     w = torch.randn(n, k, generator=g).bfloat16()
     x = torch.randn(41, k, generator=g).bfloat16()
