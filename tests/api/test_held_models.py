@@ -6,10 +6,7 @@ memory with it) and the next request loads it again."""
 from __future__ import annotations
 
 import asyncio
-import os
 import re
-import subprocess
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -25,11 +22,7 @@ REAL = "smollm2-135m:int4"
 
 
 @pytest.fixture(scope="module")
-def two_models(tiny_home, real_home, tmp_path_factory):
-    env = dict(os.environ, LOCALSERVE_HOME=str(real_home))
-    pull = subprocess.run([sys.executable, "-m", "cli.main", "pull", "smollm2-135m", "--bits",
-                           "4"], capture_output=True, text=True, env=env, timeout=600)
-    assert pull.returncode == 0, pull.stderr[-2000:]
+def two_models(tiny_home, real_home, real_int4, tmp_path_factory):
     root = tmp_path_factory.mktemp("held")
     models = root / "home" / "models"
     models.mkdir(parents=True)

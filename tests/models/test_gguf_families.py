@@ -8,7 +8,6 @@ SmolLM2's (its vocabulary of 49,152), loaded as its tokenizer.json defines it (C
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -75,13 +74,9 @@ def converter(llama_cpp) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tokenizer_files(real_home) -> Path:
-    """The real SmolLM2 tokenizer's files (pulled by the real-model tests' fixture)."""
-    env = dict(os.environ, LOCALSERVE_HOME=str(real_home))
-    pull = subprocess.run([sys.executable, "-m", "cli.main", "pull", "smollm2-135m", "--bits",
-                           "4"], capture_output=True, text=True, env=env, timeout=600)
-    assert pull.returncode == 0, pull.stderr[-2000:]
-    return real_home / "models" / "smollm2-135m:int4"
+def tokenizer_files(real_int4) -> Path:
+    """The real SmolLM2 tokenizer's files (the real model's folder)."""
+    return real_int4
 
 
 @pytest.fixture(scope="session")
