@@ -194,11 +194,13 @@ static void tiles_pass(const uint16_t *xp, int64_t k, int64_t c0, int64_t c1,
                        const uint16_t *w0, const uint16_t *w1, float (*sums)[16][16], int more,
                        int r, int first) {
     const int two = r > 16;
-    if (more) {
+    if (more) {  /* the tiles this pass stored */
         tile_load(0, sums[0], 64);
-        tile_load(1, sums[1], 64);
-        tile_load(2, sums[2], 64);
-        tile_load(3, sums[3], 64);
+        if (w1) tile_load(1, sums[1], 64);
+        if (two) {
+            tile_load(2, sums[2], 64);
+            if (w1) tile_load(3, sums[3], 64);
+        }
     } else {
         _tile_zero(0);
         _tile_zero(1);
