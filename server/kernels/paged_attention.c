@@ -374,32 +374,80 @@ static void prompt_tile_rows(const uint16_t *qa, int real, const int64_t *len, i
         for (int64_t c = 0; c < d; c++) os[r * d + c] = os[r * d + c] / denom[r];
 }
 
+/* 16 positions' keys (rows[i]: position i's d values; NULL: zeros) as B tiles, kt [d / 32][16
+ * pairs of d][16 positions] of bf16 pairs: a 16 x 16 transpose of 32-bit pairs a group. */
+static void key_tiles(const uint16_t *const *rows, int64_t d, uint32_t *kt) {
+    for (int64_t g = 0; g < d / 32; g++) {
+        __m512i r[16], t[16];
+        for (int i = 0; i < 16; i++)
+            r[i] = rows[i] ? _mm512_loadu_si512((const void *)(rows[i] + g * 32))
+                           : _mm512_setzero_si512();
+        for (int i = 0; i < 8; i++) {  /* a lane's pairs 0,1 and 2,3 of rows 2i, 2i + 1 */
+            t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+            t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+        }
+        for (int i = 0; i < 4; i++) {  /* r[4i + k]: a lane's pair k of rows 4i .. 4i + 3 */
+            r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+            r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+            r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+            r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+        }
+        for (int k = 0; k < 4; k++) {  /* pair 4L + k of all 16 rows: lane L of r[k + 4i] */
+            const __m512i s0 = _mm512_shuffle_i32x4(r[k], r[4 + k], 0x44);
+            const __m512i s1 = _mm512_shuffle_i32x4(r[k], r[4 + k], 0xEE);
+            const __m512i s2 = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0x44);
+            const __m512i s3 = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0xEE);
+            uint32_t *o = kt + g * 256;
+            _mm512_storeu_si512((void *)(o + k * 16), _mm512_shuffle_i32x4(s0, s2, 0x88));
+            _mm512_storeu_si512((void *)(o + (4 + k) * 16), _mm512_shuffle_i32x4(s0, s2, 0xDD));
+            _mm512_storeu_si512((void *)(o + (8 + k) * 16), _mm512_shuffle_i32x4(s1, s3, 0x88));
+            _mm512_storeu_si512((void *)(o + (12 + k) * 16), _mm512_shuffle_i32x4(s1, s3, 0xDD));
+        }
+    }
+}
+
+/* 32 positions' values (rows[i]: position i's d values; NULL: zeros) as B tiles, vt [d / 16][16
+ * pairs of positions][16 of d][2]: each pair of positions' values interleaved. */
+static void value_tiles(const uint16_t *const *rows, int64_t d, uint16_t *vt) {
+    const __m512i mix = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                         24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17,
+                                         1, 16, 0);
+    for (int q = 0; q < 16; q++)
+        for (int64_t cb = 0; cb < d / 16; cb++) {
+            const uint16_t *even = rows[2 * q], *odd = rows[2 * q + 1];
+            const __m256i a = even ? _mm256_loadu_si256((const __m256i *)(even + cb * 16))
+                                   : _mm256_setzero_si256();
+            const __m256i b = odd ? _mm256_loadu_si256((const __m256i *)(odd + cb * 16))
+                                  : _mm256_setzero_si256();
+            const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+            _mm512_storeu_si512((void *)(vt + cb * 512 + q * 32),
+                                _mm512_permutexvar_epi16(mix, both));
+        }
+}
+
 /* paged_prompt's tiles (its arguments, bf16 queries and cache; d a multiple of 32). */
 static int prompt_tiles(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
                         const int64_t *ctx_slots, int64_t start, int64_t num, uint16_t *out,
                         int64_t hq, int64_t hkv, int64_t d, int64_t num_slots, float scale) {
     const int64_t group = hq / hkv, ctx = start + num, np = (ctx + 31) / 32 * 32;
-    const int64_t rows = num * group, blocks = (rows + 15) / 16, pairs = d / 2;
+    const int64_t rows = num * group, blocks = (rows + 15) / 16;
     size_t bytes = (size_t)(hkv * np * d) * 2;
     uint16_t *kb = aligned_alloc(64, bytes), *vb = aligned_alloc(64, bytes);
     int failed = kb == NULL || vb == NULL ? 2 : 0;
     #pragma omp parallel if (num * ctx * hq * d >= (1 << 16))
     {
         #pragma omp for schedule(static)
-        for (int64_t hp = 0; hp < hkv * np; hp++) {
+        for (int64_t hb = 0; hb < hkv * (np / 32); hb++) {
             if (failed) continue;
-            const int64_t h = hp / np, p = hp % np;
-            const uint16_t *key = k_cache + (h * num_slots + (p < ctx ? ctx_slots[p] : 0)) * d;
-            const uint16_t *val = v_cache + (h * num_slots + (p < ctx ? ctx_slots[p] : 0)) * d;
-            uint32_t *kt = (uint32_t *)(kb + (h * np + p / 16 * 16) * d) + p % 16;
-            uint16_t *vt = vb + (h * np + p / 32 * 32) * d + (p % 32) / 2 * 32 + p % 2;
-            for (int64_t j = 0; j < pairs; j++) {
-                uint32_t pair;
-                memcpy(&pair, key + 2 * j, 4);
-                kt[(j / 16) * 256 + (j % 16) * 16] = p < ctx ? pair : 0;
-            }
-            for (int64_t c = 0; c < d; c++)
-                vt[(c / 16) * 512 + (c % 16) * 2] = p < ctx ? val[c] : 0;
+            const int64_t h = hb / (np / 32), p0 = hb % (np / 32) * 32;
+            const uint16_t *rows[32];  /* each position's key (value) row; NULL past ctx */
+            for (int i = 0; i < 32; i++)
+                rows[i] = p0 + i < ctx ? k_cache + (h * num_slots + ctx_slots[p0 + i]) * d : NULL;
+            for (int half = 0; half < 2; half++)
+                key_tiles(rows + 16 * half, d, (uint32_t *)(kb + (h * np + p0 + 16 * half) * d));
+            for (int i = 0; i < 32; i++)
+                if (rows[i]) rows[i] = v_cache + (h * num_slots + ctx_slots[p0 + i]) * d;
+            value_tiles(rows, d, vb + (h * np + p0) * d);
         }
         const size_t qbytes = (size_t)(16 * d) * 2, sbytes = (size_t)(16 * np) * 4;
         char *buf = aligned_alloc(64, qbytes + 2 * sbytes + (size_t)(16 * d) * 4);
