@@ -155,6 +155,14 @@ int amx_gemm_available(void) {
 
 #define MXCSR_FTZ_DAZ 0x8040  /* flush-to-zero, denormals-are-zero: as the tiles compute */
 
+/* This thread's MXCSR set to flush denormals as the tiles do; returns the old one, to restore
+ * with _mm_setcsr. */
+static inline unsigned int flush_denormals(void) {
+    const unsigned int old = _mm_getcsr();
+    _mm_setcsr(old | MXCSR_FTZ_DAZ);
+    return old;
+}
+
 /* The FMA paths' shared steps, in TDPBF16PS's order: a row's input pair (x even, x odd)
  * repeated over 16 lanes (each lane's fused-add chain takes one of them); and per tile product
  * sums += even chain + odd chain, for 32 outputs whose chains are chain[0..3], 8 outputs each,
@@ -277,8 +285,7 @@ static int int4_row_agrees(void) {
         for (int row = 0; row < CHECKED_ROWS && agrees; row++) {
             check_row(x, xf, K, row, &state);
             group_sums(x, xsum, 1, K, group);
-            const unsigned int mxcsr = _mm_getcsr();
-            _mm_setcsr(mxcsr | MXCSR_FTZ_DAZ);
+            const unsigned int mxcsr = flush_denormals();
             configure_tiles(1);
             for (int64_t g = 0; g < groups && agrees; g++) {  /* each group's fp32 sums */
                 __attribute__((aligned(64))) uint16_t w[2][TILE_ROWS][32];
@@ -324,8 +331,7 @@ static int int4_row(const uint16_t *x, const float *xsum, const uint8_t *packed,
     const int64_t groups = k / group;
     #pragma omp parallel if (blocks >= 4)
     {
-        const unsigned int mxcsr = _mm_getcsr();
-        _mm_setcsr(mxcsr | MXCSR_FTZ_DAZ);
+        const unsigned int mxcsr = flush_denormals();
         #pragma omp for schedule(static)
         for (int64_t b = 0; b < blocks; b++)
             block4_row(xf, xsum, groups, group, packed + b * groups * group_bytes(group),
@@ -360,8 +366,7 @@ int amx_int4_gemm(const uint16_t *x, const uint8_t *packed, uint16_t *y, float *
     #pragma omp parallel if (blocks >= 4) reduction(|:failed)
     {
         /* The tiles flush denormals; the groups' fp32 steps here do too (block4_row's). */
-        const unsigned int mxcsr = _mm_getcsr();
-        _mm_setcsr(mxcsr | MXCSR_FTZ_DAZ);
+        const unsigned int mxcsr = flush_denormals();
         /* More than 32 rows: each block's chunks are unpacked once, for every 32 rows. */
         uint16_t *unpacked = NULL;
         if (m > 2 * TILE_ROWS) {
@@ -458,8 +463,7 @@ static int int8_row(const uint16_t *x, const int8_t *packed, const float *scale,
     const int64_t blocks = n / 32;
     #pragma omp parallel if (blocks >= 4)
     {
-        const unsigned int mxcsr = _mm_getcsr();
-        _mm_setcsr(mxcsr | MXCSR_FTZ_DAZ);
+        const unsigned int mxcsr = flush_denormals();
         #pragma omp for schedule(static)
         for (int64_t b = 0; b < blocks; b++)
             block8_row(xf, k, packed + b * k * 32, scale + b * 32,
@@ -490,8 +494,7 @@ static int int8_row_agrees(void) {
         configure_tiles(1);
         block8_amx(x, K, blk, scale, tiles, 32, 1, 1, 0);
         _tile_release();
-        const unsigned int mxcsr = _mm_getcsr();
-        _mm_setcsr(mxcsr | MXCSR_FTZ_DAZ);
+        const unsigned int mxcsr = flush_denormals();
         block8_row(xf, K, blk, scale, fmas, 1);
         _mm_setcsr(mxcsr);
         agrees = memcmp(tiles, fmas, sizeof tiles) == 0;
@@ -504,7 +507,7 @@ static int int8_row_ok = -1;  /* -1 not asked yet */
 /* 1 where one-row calls of amx_int8_gemm take block8_row (bit for bit the tiles, checked here
  * once), 0 where they keep the tiles. */
 int amx_int8_row_path(void) {
-    if (int8_row_ok < 0) int8_row_ok = amx_state == 1 && int8_row_agrees();
+    if (int8_row_ok < 0) int8_row_ok = amx_gemm_available() == 1 && int8_row_agrees();
     return int8_row_ok;
 }
 

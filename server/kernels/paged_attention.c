@@ -440,14 +440,15 @@ static int prompt_tiles(const uint16_t *q, const uint16_t *k_cache, const uint16
         for (int64_t hb = 0; hb < hkv * (np / 32); hb++) {
             if (failed) continue;
             const int64_t h = hb / (np / 32), p0 = hb % (np / 32) * 32;
-            const uint16_t *rows[32];  /* each position's key (value) row; NULL past ctx */
-            for (int i = 0; i < 32; i++)
-                rows[i] = p0 + i < ctx ? k_cache + (h * num_slots + ctx_slots[p0 + i]) * d : NULL;
+            const uint16_t *keys[32], *values[32];  /* each position's rows; NULL past ctx */
+            for (int i = 0; i < 32; i++) {
+                const int64_t at = p0 + i < ctx ? (h * num_slots + ctx_slots[p0 + i]) * d : -1;
+                keys[i] = at < 0 ? NULL : k_cache + at;
+                values[i] = at < 0 ? NULL : v_cache + at;
+            }
             for (int half = 0; half < 2; half++)
-                key_tiles(rows + 16 * half, d, (uint32_t *)(kb + (h * np + p0 + 16 * half) * d));
-            for (int i = 0; i < 32; i++)
-                if (rows[i]) rows[i] = v_cache + (h * num_slots + ctx_slots[p0 + i]) * d;
-            value_tiles(rows, d, vb + (h * np + p0) * d);
+                key_tiles(keys + 16 * half, d, (uint32_t *)(kb + (h * np + p0 + 16 * half) * d));
+            value_tiles(values, d, vb + (h * np + p0) * d);
         }
         const size_t qbytes = (size_t)(16 * d) * 2, sbytes = (size_t)(16 * np) * 4;
         char *buf = aligned_alloc(64, qbytes + 2 * sbytes + (size_t)(16 * d) * 4);
