@@ -13,7 +13,8 @@
  * and every row adds scale * that + zero * sum_k x in fp32 in avx512_gemm.c's order, so the
  * weights are never rounded. int8: the tiles sum over every input, times the row scale at the
  * end. Groups and input widths must be multiples of 32 (one tile's depth); other layers take
- * avx512_gemm.c's kernels, whatever the row count.
+ * avx512_gemm.c's kernels, whatever the row count. An engine step's prompt rows of int4 layers
+ * take amx_int4_gemm_prompt instead (the weights dequantized to bf16, no step per group).
  *
  * Calls of one row (a decode step at one sequence: the LM head, q/k/v) take AVX-512 FMAs
  * instead, in the order TDPBF16PS sums, so with the tiles' bits (block8_row, block4_row; each
@@ -540,6 +541,112 @@ int amx_int8_gemm(const uint16_t *x, const int8_t *packed, const float *scale, v
     return 0;
 }
 
+/* Prompt rows of int4 layers (rows.py; generated rows keep amx_int4_gemm): the weights
+ * dequantized to bf16, w = (q - 8) * scale + zero in fp32 rounded to nearest even (the values
+ * avx512_int4_unpack_q4x32 writes, bit for bit), then y = x @ w^T summed by TDPBF16PS over every
+ * input in order, as dense_gemm.c's tiles sum a bf16 layer: no fp32 step per group, so from ~32
+ * rows on 1.3-3.4x amx_int4_gemm's int8-input passes (KERNELS.md). Each thread dequantizes a
+ * block of 32 outputs whole into its own buffer (k x 64 bytes, in L2) once a call, then every
+ * pass of 32 rows reads it from there. A row's sums depend on that row and the weights only
+ * (rows padded to whole tiles, tile rows past the call's never read back), so prompt rows are
+ * the same in any chunk and beside any rows; the dequantizing FMAs meet no denormal ((q - 8) *
+ * scale is exact and scale and zero are fp16: a nonzero sum is at least 2^-24). */
+
+/* Lanes 2i and 2i + 1 of half16(p)'s values i (the 8 outputs of one half of a tile row). */
+static inline void pair_lanes(const uint8_t *p, __m512 out[2]) {
+    const __m512 v = half16(p);
+    const __m512i lo = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    out[0] = _mm512_permutexvar_ps(lo, v);
+    out[1] = _mm512_permutexvar_ps(_mm512_add_epi32(lo, _mm512_set1_epi32(8)), v);
+}
+
+/* One chunk of 32 inputs x 32 outputs as two B tiles of w (outputs 0-15, then 16-31): scale
+ * and zero s[h], z[h] for outputs 8h..8h+7 (h 0, 1 the low nibbles, 2, 3 the high ones), each
+ * output's twice (pair_lanes). */
+static inline void dequantize_chunk(const uint8_t *pk, const __m512 s[4], const __m512 z[4],
+                                    uint16_t (*w)[TILE_ROWS][32]) {
+    const __m512i low = _mm512_set1_epi32(15), eight = _mm512_set1_epi32(8);
+    for (int p = 0; p < TILE_ROWS; p++) {
+        __m512 f[4];
+        for (int half = 0; half < 2; half++) {
+            const __m512i b = _mm512_cvtepu8_epi32(
+                _mm_loadu_si128((const __m128i *)(pk + p * 32 + half * 16)));
+            const __m512i q[2] = {_mm512_and_si512(b, low), _mm512_srli_epi32(b, 4)};
+            for (int h = 0; h < 2; h++)
+                f[2 * h + half] = _mm512_fmadd_ps(
+                    _mm512_cvtepi32_ps(_mm512_sub_epi32(q[h], eight)), s[2 * h + half],
+                    z[2 * h + half]);
+        }
+        _mm512_store_si512(w[0][p], (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0]));
+        _mm512_store_si512(w[1][p], (__m512i)_mm512_cvtne2ps_pbh(f[3], f[2]));
+    }
+}
+
+/* A block of 32 outputs, every chunk in order, into `w` ([k / 32][2][16][32]: each chunk's two
+ * B tiles). */
+static void dequantize_block(const uint8_t *blk, int64_t k, int64_t group, uint16_t *w) {
+    for (int64_t g = 0; g < k / group; g++) {
+        const uint8_t *head = blk + g * group_bytes(group);
+        __m512 s[4], z[4];
+        pair_lanes(head, s);
+        pair_lanes(head + 32, s + 2);
+        pair_lanes(head + 64, z);
+        pair_lanes(head + 96, z + 2);
+        for (int64_t c = 0; c < group; c += CHUNK)
+            dequantize_chunk(head + GROUP_HEAD + c / 2 * 32, s, z,
+                             (uint16_t (*)[TILE_ROWS][32])(w + (g * group + c) * 32));
+    }
+}
+
+/* y [m, n] (bf16, or fp32 where out_fp32) = x [m, k] bf16 @ the int4 layout's weights
+ * dequantized to bf16. 1: a shape it does not take (groups not multiples of 32) or no AMX. */
+int amx_int4_gemm_prompt(const uint16_t *x, const uint8_t *packed, void *y, int64_t m,
+                         int64_t n, int64_t k, int64_t group, int out_fp32) {
+    if (amx_state != 1 || group % CHUNK || n % 32 || k % group || m < 0) return 1;
+    if (m == 0) return 0;
+    uint16_t *padded = m > TILE_ROWS && m % TILE_ROWS ? padded_rows(x, m, k) : NULL;
+    if (m > TILE_ROWS && m % TILE_ROWS && !padded) return 1;
+    const uint16_t *xp = padded ? padded : x;
+    const int64_t groups = k / group, blocks = n / 32;
+    const size_t yes = out_fp32 ? 4 : 2;
+    int failed = 0;
+    #pragma omp parallel if (blocks >= 4) reduction(|:failed)
+    {
+        uint16_t *w = aligned_alloc(64, (size_t)(k * 32 * 2));
+        failed = w == NULL;
+        if (w) {
+            __attribute__((aligned(64))) float sums[4][TILE_ROWS][16];
+            configure_tiles(m);
+            #pragma omp for schedule(static)
+            for (int64_t b = 0; b < blocks; b++) {
+                const uint8_t *blk = packed + b * groups * group_bytes(group);
+                dequantize_block(blk, k, group, w);
+                for (int64_t i = 0; i < m; i += 2 * TILE_ROWS) {
+                    const int r = m - i < 2 * TILE_ROWS ? (int)(m - i) : 2 * TILE_ROWS;
+                    const int tiles = r > TILE_ROWS ? 2 : 1;
+                    zero_sums();
+                    for (int64_t c = 0; c < k; c += CHUNK) {
+                        tile_load(6, w + c * 32, 64);
+                        tile_load(7, w + c * 32 + TILE_ROWS * 32, 64);
+                        chunk_products(xp + i * k + c, k, tiles);
+                    }
+                    store_sums(sums, tiles);
+                    for (int j = 0; j < r; j++) {
+                        const int t = j / TILE_ROWS, row = j % TILE_ROWS;
+                        store_outputs((char *)y + ((i + j) * n + b * 32) * yes,
+                                      _mm512_load_ps(sums[2 * t][row]),
+                                      _mm512_load_ps(sums[2 * t + 1][row]), out_fp32);
+                    }
+                }
+            }
+            _tile_release();
+            free(w);
+        }
+    }
+    free(padded);
+    return failed;
+}
+
 /* 1 where int4_gemm's int8_from takes int8 inputs (avx512_gemm.c's vpdpbusd path). */
 int amx_gemm_a8(void) { return avx512_gemm_a8(); }
 
@@ -557,6 +664,11 @@ int amx_gemm_a8(void) { return 0; }
 int amx_int8_row_path(void) { return 0; }
 
 int amx_int4_row_path(void) { return 0; }
+
+int amx_int4_gemm_prompt(const void *x, const void *packed, void *y, int64_t m, int64_t n,
+                         int64_t k, int64_t group, int out_fp32) {
+    return 1;
+}
 
 int amx_int8_gemm(const void *x, const void *packed, const void *scale, void *y, int64_t m,
                   int64_t n, int64_t k, int out_fp32) {

@@ -23,11 +23,13 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import sys
 import threading
 from pathlib import Path
 
 import torch
 
+import server.kernels.gemm_checks as gemm_checks
 import server.kernels.loader as loader
 
 log = logging.getLogger("localserve")
@@ -86,10 +88,13 @@ KINDS = _kinds()
 KIND = KINDS[0] if KINDS else None
 SOURCE = SOURCES.get(KIND)  # this machine's source, or None
 BLOCK = 32  # outputs per block of the layout: a layer's out_features must be a multiple
-# Prompt rows: where amx_gemm.c runs, it takes them too, with no unpacked copy (prefill of 16
-# prompts of ~130 tokens on an Intel Xeon with AMX: smollm2-135m:int4 2,100-2,160 against
-# 1,380-1,620 tokens/s for oneDNN's AMX GEMM on the weights unpacked each step, the 360M shape
-# 920-940 against 440-550; a 1,500-word prompt 1.2-1.45x). On an AMX machine held to
+# Prompt rows: where amx_gemm.c runs, int4 layers' prompt rows take its own prompt kernel
+# (`gemm_prompt`: each block of 32 outputs dequantized to bf16 once a call, into a buffer in L2,
+# and summed by the tiles; 1.3-3.4x the int8-input passes from 32 rows, KERNELS.md), with no
+# unpacked copy in memory: unpacking the whole model each step for oneDNN's AMX GEMM lost to
+# amx_gemm.c (prefill of 16 prompts of ~130 tokens on an Intel Xeon with AMX: smollm2-135m:int4
+# 2,100-2,160 against 1,380-1,620 tokens/s, the 360M shape 920-940 against 440-550). On an AMX
+# machine held to
 # avx512_gemm.c (LOCALSERVE_CPU_KERNELS), oneDNN's AMX GEMM on the unpacked weight is several
 # times that kernel at many rows. On AVX-512 BF16 without AMX the two are even at 16-64 rows
 # (300-340 GFLOP/s on Zen 4, benchmarks/kernels.py) and this kernel needs no unpacked copy, so
@@ -180,6 +185,40 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, group: int, lib=None,
         return None
     args = (x.data_ptr(), packed.data_ptr(), y.data_ptr(), xsum.data_ptr(), m, n, k, group)
     failed = fn(*args, n if int8_from is None else int8_from)
+    return None if failed else y
+
+
+def prompt_path(lib=None) -> bool:
+    """Whether `lib` (default: this machine's checked library) takes int4 layers' prompt rows
+    in a kernel of their own (`gemm_prompt`: amx_gemm.c, where the process has AMX state;
+    where prompts are unpacked instead, PROMPTS_UNPACKED, never)."""
+    lib = lib or checked()
+    if lib is None or PROMPTS_UNPACKED:
+        return False
+    known = _prompt_paths.get(id(lib))
+    if known is None:
+        known = _prompt_paths[id(lib)] = (hasattr(lib, "int4_gemm_prompt")
+                                          and lib.gemm_available() == 1)
+    return known
+
+
+_prompt_paths: dict[int, bool] = {}  # per library (its id): prompt_path's answer
+
+
+def gemm_prompt(x: torch.Tensor, packed: torch.Tensor, group: int,
+                lib=None) -> torch.Tensor | None:
+    """x bf16 [M, K] @ the layer's weight dequantized to bf16 (unpack_t's values) -> bf16
+    [M, N], the sums in fp32 over every input: prompt rows (rows.py), where `prompt_path`.
+    None if the kernel declines."""
+    lib = lib or checked()
+    m, k = x.shape
+    n = packed.shape[0] * BLOCK
+    if lib is None or x.dtype != torch.bfloat16 or packed.shape[1] * group != k:
+        return None
+    x = x.contiguous()
+    y = x.new_empty(m, n)
+    failed = lib.int4_gemm_prompt(x.data_ptr(), packed.data_ptr(), y.data_ptr(), m, n, k, group,
+                                  0)
     return None if failed else y
 
 
@@ -322,6 +361,9 @@ def typed(lib):
     lib.int4_unpack_q4x32.argtypes = [_P] * 2 + [_I] * 5
     if hasattr(lib, "gemm_a8"):
         lib.gemm_a8.restype, lib.gemm_a8.argtypes = ctypes.c_int, []
+    if hasattr(lib, "int4_gemm_prompt"):  # amx_gemm.c
+        lib.int4_gemm_prompt.restype = ctypes.c_int
+        lib.int4_gemm_prompt.argtypes = [_P] * 3 + [_I] * 4 + [ctypes.c_int]
     if hasattr(lib, "int4_gemm_f32"):  # avx2_gemm.c
         lib.int4_gemm_f32.restype = lib.int8_gemm_f32.restype = ctypes.c_int
         lib.int4_gemm_f32.argtypes = [_P] * 4 + [_I] * 5
@@ -329,54 +371,6 @@ def typed(lib):
     return lib
 
 
-def _dequantize_int4(q, scale, zero, group: int) -> torch.Tensor:
-    """(q - 8) * scale + zero in fp32, [N, K] (int4.dequantize_int4's arithmetic)."""
-    n, k = q.shape
-    g = q.float().reshape(n, k // group, group) - 8.0
-    return (g * scale.float()[..., None] + zero.float()[..., None]).reshape(n, k)
-
-
 def _self_check(lib) -> str | None:
-    g = torch.Generator().manual_seed(0)
-    for n, k, group in ((96, 256, 32), (64, 384, 128)):
-        q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
-        scale = (torch.rand(n, k // group, generator=g) / 8).half()
-        zero = (torch.randn(n, k // group, generator=g) / 4).half()
-        layout = pack_int4(q, scale, zero, group)
-        w = _dequantize_int4(q, scale, zero, group)  # fp32 [N, K]
-        unpacked = unpack_t(layout, group, torch.empty(k, n, dtype=torch.bfloat16), lib)
-        if unpacked is None or not torch.equal(unpacked, w.to(torch.bfloat16).t()):
-            return "unpack"
-        x = torch.randn(37, k, generator=g).to(torch.bfloat16)  # amx_gemm.c: 3 row tiles
-        y = gemm(x, layout, group, lib)
-        want = x.float() @ w.t()
-        if y is None or not torch.allclose(y.float(), want, rtol=2e-2, atol=2e-2 * want.std()):
-            return "gemm"
-        if not all(torch.equal(y[i:i + 1], gemm(x[i:i + 1], layout, group, lib))
-                   for i in range(37)):
-            return "rows"
-        if group == 32 and int8_path(lib):  # the outputs from 32 on with int8 inputs
-            xk = x.float() if takes_fp32(lib) else x
-            y8, y16 = gemm(xk, layout, group, lib, 32), gemm(xk, layout, group, lib)
-            if y8 is None or not torch.equal(y8[:, :32], y16[:, :32]) or not torch.allclose(
-                    y8.float(), want, rtol=2e-2, atol=2e-2 * want.std()):
-                return "int8 inputs"
-            if not all(torch.equal(y8[i:i + 1], gemm(xk[i:i + 1], layout, group, lib, 32))
-                       for i in range(37)):
-                return "int8 input rows"
-    q = torch.randint(-127, 128, (96, 320), generator=g, dtype=torch.int8)
-    scale = torch.rand(96, generator=g) / 100
-    layout = pack_int8(q)
-    unpacked = torch.empty(96, 320, dtype=torch.bfloat16)
-    unpack_int8_into(layout, scale.bfloat16(), unpacked)
-    if not torch.equal(unpacked, (q.bfloat16() * scale.bfloat16()[:, None])):
-        return "int8 unpack"
-    x = torch.randn(37, 320, generator=g).to(torch.bfloat16)
-    y = gemm_int8(x, layout, scale, lib)
-    want = x.float() @ (q.float() * scale[:, None]).t()
-    if y is None or not torch.allclose(y.float(), want, rtol=2e-2, atol=2e-2 * want.std()):
-        return "int8 gemm"
-    if not all(torch.equal(y[i:i + 1], gemm_int8(x[i:i + 1], layout, scale, lib))
-               for i in range(37)):
-        return "int8 rows"
-    return None
+    """None if `lib` passes gemm_checks.py's checks, else what failed."""
+    return gemm_checks.self_check(sys.modules[__name__], lib)

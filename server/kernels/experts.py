@@ -23,6 +23,7 @@ import torch
 from torch.nn import functional as F
 
 import server.kernels.cpu_gemm as cpu_gemm
+import server.kernels.gemm_checks as gemm_checks
 import server.kernels.loader as loader
 
 SOURCE = Path(__file__).with_name("experts.c")
@@ -110,7 +111,7 @@ def _random_experts(num: int, h: int, inter: int, group: int, g: torch.Generator
             scale = (torch.rand(n, k // group, generator=g) / 8).half()
             zero = (torch.randn(n, k // group, generator=g) / 16).half()
             pair.append((cpu_gemm.pack_int4(q, scale, zero, group),
-                         cpu_gemm._dequantize_int4(q, scale, zero, group)))
+                         gemm_checks.dequantize_int4(q, scale, zero, group)))
         packed.append([p for p, _ in pair])
         dense.append([d for _, d in pair])
     return packed, dense

@@ -136,7 +136,7 @@ class Int4Linear(nn.Module):
         kernel_rows = not cpu_gemm.PROMPTS_UNPACKED or (
             rows.prompt is None if rows is not None else x.shape[0] < UNPACK_MIN_ROWS)
         if self.q4x32 is not None and x.dim() == 2 and as_is and kernel_rows:
-            y = self._kernel(x)  # every row takes the kernel: the short way
+            y = self._q4x32_rows(x, rows)  # no dtype to cast: the short way
             return y if self.bias is None else y + self.bias
         if self.kernel_weight is not None or self.q4x32 is not None:
             x2 = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)
@@ -167,8 +167,24 @@ class Int4Linear(nn.Module):
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             x2, self.kernel_weight, self.group_size, self.scales_and_zeros)
 
+    def _q4x32_rows(self, x2: torch.Tensor, rows: RowSplit | None) -> torch.Tensor:
+        """Our CPU kernel's rows: in an engine step, where the machine has a kernel for prompt
+        rows (cpu_gemm.prompt_path: AMX tiles on the weight dequantized to bf16), prompt rows
+        take that and generated rows this layer's kernel; else every row the layer's kernel."""
+        if rows is None or rows.prompt is None or not cpu_gemm.prompt_path():
+            return self._kernel(x2)
+        return rows_mm(self, x2, rows, self._kernel, prompt_mm=self._prompt_kernel)
+
+    def _prompt_kernel(self, x2: torch.Tensor) -> torch.Tensor:
+        y = cpu_gemm.gemm_prompt(x2, self.q4x32, self.group_size)
+        if y is None:
+            raise RuntimeError("cpu_gemm declined a layer's prompt rows it was built for")
+        return y
+
     def _cpu_mm(self, x2: torch.Tensor, rows: RowSplit | None) -> torch.Tensor:
-        y = rows_mm(self, x2, rows, self._packed_mm)
+        prompt_mm = (self._prompt_kernel if self.q4x32 is not None and cpu_gemm.prompt_path()
+                     else None)
+        y = rows_mm(self, x2, rows, self._packed_mm, prompt_mm=prompt_mm)
         if y is not None:
             return y
         if (x2.shape[0] >= UNPACK_MIN_ROWS and self.unpacked_numel()

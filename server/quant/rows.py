@@ -2,10 +2,12 @@
 
 The packed int4/int8 kernels win at a few rows (decode) but stay near 300 GFLOP/s from 16 rows
 on, where a bf16 GEMM reaches 400-700 (benchmarks/kernels.py). So in an engine step, rows
-holding prompt tokens run a bf16 GEMM on the layer's weight unpacked to bf16, and rows of
-generated tokens keep the packed kernel; a dense layer runs the GEMM on its own weight for
-prompt rows and layer_ops.dense_mm (the weight read in place) for generated ones (linear.py).
-The split is by what a row holds, never by how many rows there are.
+holding prompt tokens run a bf16 GEMM on the layer's weight unpacked to bf16 (or, where the
+machine's int4 kernels have one, their own prompt kernel: amx_gemm.c's, on the weight
+dequantized to bf16 inside the call), and rows of generated tokens keep the packed kernel; a
+dense layer runs the GEMM on its own weight for prompt rows and layer_ops.dense_mm (the weight
+read in place) for generated ones (linear.py). The split is by what a row holds, never by how
+many rows there are.
 
 Each kernel must also give a row the same numbers whatever else shares the call. The packed
 kernels do (every row takes the same instructions). A GEMM library does not: it picks its
@@ -22,6 +24,7 @@ A quantized layer takes part by having `unpacked_numel()` (0: it cannot) and
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -215,19 +218,26 @@ def end_step(rows: RowSplit) -> None:
 
 def rows_mm(layer: nn.Module, x2: torch.Tensor, rows: RowSplit | None,
             packed_mm: Callable[[torch.Tensor], torch.Tensor],
-            weight_t: torch.Tensor | None = None) -> torch.Tensor | None:
+            weight_t: torch.Tensor | None = None,
+            prompt_mm: Callable[[torch.Tensor], torch.Tensor] | None = None
+            ) -> torch.Tensor | None:
     """x2 @ weight for an engine step's rows, each through its kind's kernel: generated rows
-    through `packed_mm`, prompt rows through a GEMM on `weight_t` (a dense layer's own weight)
-    or else on the layer's unpacked weight. None outside an engine step (the caller decides)."""
+    through `packed_mm`, prompt rows through `prompt_mm` (a quantized layer's own prompt kernel,
+    cpu_gemm.gemm_prompt) or else a GEMM on `weight_t` (a dense layer's own weight) or on the
+    layer's unpacked weight. None outside an engine step (the caller decides)."""
     if rows is None:
         return None
-    if rows.prompt is not None and weight_t is None:
-        weight_t = rows.unpacked.get(layer, rows.keep)
-    if rows.prompt is None or weight_t is None:
+    if rows.prompt is not None and prompt_mm is None:
+        if weight_t is None:
+            weight_t = rows.unpacked.get(layer, rows.keep)
+        if weight_t is not None:
+            prompt_mm = functools.partial(tiled_mm, weight_t=weight_t, tile=PROMPT_TILE)
+    if rows.prompt is None or prompt_mm is None:
         return packed_mm(x2)
     if rows.generated is None:
-        return tiled_mm(x2, weight_t, PROMPT_TILE)
-    y = x2.new_empty(x2.shape[0], weight_t.shape[1])
-    y[rows.generated] = packed_mm(x2[rows.generated])
-    y[rows.prompt] = tiled_mm(x2[rows.prompt], weight_t, PROMPT_TILE)
+        return prompt_mm(x2)
+    generated, prompt = packed_mm(x2[rows.generated]), prompt_mm(x2[rows.prompt])
+    y = x2.new_empty(x2.shape[0], prompt.shape[1], dtype=prompt.dtype)
+    y[rows.generated] = generated
+    y[rows.prompt] = prompt
     return y

@@ -213,8 +213,9 @@ def test_a_call_of_no_rows_gives_no_rows(kernel_kind):
 @pytest.mark.skipif("amx" not in KERNEL_KINDS, reason="needs AMX")
 def test_amx_rows_get_the_same_bits_alone_and_among_others():
     """amx_gemm.c pads rows to whole tiles and sets the tiles to a call's row count below 16: a
-    row alone, in a pair or among 40 gets the same bits, for int4 (groups of 32 and 64) and int8
-    (bf16 out and fp32 logits), activations spanning 2^-130 to 2^20 (denormals and zeros
+    row alone, in a pair or among 40 gets the same bits, for int4 (groups of 32 and 64; the
+    layer's kernel and prompt rows' kernel, the latter within bf16 rounding of the exact
+    products of the unpacked weight) and int8 (bf16 out and fp32 logits), activations spanning 2^-130 to 2^20 (denormals and zeros
     included)."""
     from server.kernels import cpu_gemm
 
@@ -238,6 +239,16 @@ def test_amx_rows_get_the_same_bits_alone_and_among_others():
         zero = (torch.randn(96, 384 // group, generator=g) / 4).half()
         layout = cpu_gemm.pack_int4(q, scale, zero, group)
         check(lambda rows, layout=layout, group=group: cpu_gemm.gemm(rows, layout, group, lib))
+        # prompt rows' kernel: the unpacked bf16 weight's products, summed in fp32
+        check(lambda rows, layout=layout, group=group: cpu_gemm.gemm_prompt(rows, layout, group,
+                                                                            lib))
+        w = cpu_gemm.unpack_t(layout, group, torch.empty(384, 96, dtype=torch.bfloat16), lib)
+        xd = x.double().where(x.double().abs() >= 2.0**-126, 0)  # the tiles read denormals as 0
+        for m in (1, 15, 16, 17, 32, 33, 40):
+            got = cpu_gemm.gemm_prompt(x[:m], layout, group, lib).double()
+            exact = xd[:m] @ w.double()
+            assert ((got - exact).abs() <= 2.0**-8 * exact.abs() + 2.0**-20 * (
+                xd[:m].abs() @ w.double().abs()) + 2.0**-110).all()
     q8 = cpu_gemm.pack_int8(torch.randint(-127, 128, (160, 384), generator=g, dtype=torch.int8))
     s8 = torch.rand(160, generator=g) / 100
     for dtype in (torch.bfloat16, torch.float32):
@@ -639,12 +650,15 @@ def test_int4_rows_past_the_threshold_run_unpacked_bf16_gemm(rows, int4_layout, 
 
 def test_int4_gemm_takes_every_row_where_prompts_are_not_unpacked(kernel_kind, monkeypatch):
     """Where prompts are not unpacked (every machine but AMX ones held to avx512_gemm.c), our
-    kernels serve prompt rows too: no unpacked copy, inside an engine step
-    or outside, and each row the same as alone."""
+    kernels serve prompt rows too: no unpacked copy, inside an engine step or outside, and each
+    row the same as alone. In a step, prompt rows take the library's prompt kernel where it has
+    one (amx_gemm.c's, AMX machines only) and generated rows the layer's kernel, each row the
+    same as alone, and prompt rows within bf16 rounding of the unpacked weight's products."""
     from server.kernels import cpu_gemm
     from server.quant import rows
 
     monkeypatch.setattr(cpu_gemm, "PROMPTS_UNPACKED", False)
+    assert cpu_gemm.prompt_path() == (kernel_kind == "amx")
     q, scale, zero = quantize_int4(torch.randn(128, 64) * 0.05, 32)
     layer = Int4Linear(64, 128, 32)
     layer.weight, layer.weight_scale, layer.weight_zero = pack_int4(q), scale, zero
@@ -653,8 +667,19 @@ def test_int4_gemm_takes_every_row_where_prompts_are_not_unpacked(kernel_kind, m
     x = torch.randn(80, 64).bfloat16()
     alone = torch.cat([layer(x[i:i + 1]) for i in range(80)])
     assert torch.equal(layer(x), alone)
-    split = rows.split_rows(list(range(40)), 80, torch.device("cpu"), rows.UnpackedWeights(layer))
-    assert torch.equal(layer(x, split), alone)
+    prompt_alone = alone
+    if kernel_kind == "amx":
+        prompt_alone = torch.cat([layer._prompt_kernel(x[i:i + 1]) for i in range(80)])
+        exact = x.float() @ dequantize_int4(q, scale, zero, 32).bfloat16().float().t()
+        torch.testing.assert_close(prompt_alone.float(), exact, rtol=8e-3, atol=1e-3)
+        assert not torch.equal(prompt_alone, alone)  # another kernel: other bits
+    for prompt_rows in (list(range(40)), list(range(40, 80)), list(range(0, 80, 3)),
+                        list(range(80))):
+        split = rows.split_rows(prompt_rows, 80, torch.device("cpu"),
+                                rows.UnpackedWeights(layer))
+        y = layer(x, split)
+        for i in range(80):
+            assert torch.equal(y[i], prompt_alone[i] if i in prompt_rows else alone[i])
 
 
 def test_int8_layer_on_our_kernels_rows_are_independent_and_close_to_the_reference(
