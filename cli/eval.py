@@ -28,6 +28,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         f"{DEFAULT_TEXT})")
     p.add_argument("--context", type=int, default=1024,
                    help="window in tokens (at most the model's context)")
+    p.add_argument("--rows", default="generated", choices=("generated", "prompt"),
+                   help="which kernels score the text: those of rows outside an engine step, "
+                        "which generated tokens share (default), or those of a step's prompt "
+                        "rows (on AMX machines int4 prompt rows take a kernel of their own)")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None, choices=("bf16", "fp32"))
     p.add_argument("--kv-cache-dtype", default=None, choices=("bf16", "fp32"),
@@ -43,7 +47,8 @@ def default_text() -> str:
     return text[: text.rfind("\n") + 1]
 
 
-def scored_logits(model, ids: list[int], context: int = 1024, kv_dtype=None) -> Iterator[tuple]:
+def scored_logits(model, ids: list[int], context: int = 1024, kv_dtype=None,
+                  as_prompt: bool = False) -> Iterator[tuple]:
     """(logits [n, V] fp32, targets [n]) for every token but the first, window by window.
 
     Windows of `context` tokens advance by half a window; each token is scored once, with at
@@ -60,7 +65,7 @@ def scored_logits(model, ids: list[int], context: int = 1024, kv_dtype=None) -> 
     for start in range(0, len(ids), stride):
         window = ids[start:start + context]
         # [W, V]; logits[i] predicts window[i + 1]
-        logits = prompt_logits(model, window, kv_dtype=kv_dtype)
+        logits = prompt_logits(model, window, kv_dtype=kv_dtype, as_prompt=as_prompt)
         first_new = scored_upto - start - 1  # the first position not scored yet
         yield logits[first_new:-1], torch.tensor(window[first_new + 1:], device=logits.device)
         scored_upto = start + len(window)
@@ -73,18 +78,20 @@ def _num_bytes(tokenizer, text: str, ids: list[int]) -> int:
     return len(text.encode()) - len(tokenizer.decode(ids[:1]).encode())
 
 
-def bits_per_byte(model, tokenizer, text: str, context: int = 1024, kv_dtype=None) -> float:
+def bits_per_byte(model, tokenizer, text: str, context: int = 1024, kv_dtype=None,
+                  as_prompt: bool = False) -> float:
     """Total NLL in bits of every token but the first, over the bytes those tokens spell."""
     from torch.nn import functional as F
 
     ids = tokenizer.encode(text, add_special_tokens=False)
     total_nats = sum(float(F.cross_entropy(logits, targets, reduction="sum"))
-                     for logits, targets in scored_logits(model, ids, context, kv_dtype))
+                     for logits, targets in scored_logits(model, ids, context, kv_dtype,
+                                                          as_prompt))
     return total_nats / math.log(2) / _num_bytes(tokenizer, text, ids)
 
 
 def compare(model, reference, tokenizer, text: str, context: int = 1024,
-            kv_dtype=None) -> dict[str, float]:
+            kv_dtype=None, as_prompt: bool = False) -> dict[str, float]:
     """Bits per byte of both, and per scored token KL(reference || model) in nats: its mean
     and 99th percentile, and how often both put the same token first. The model's KV cache is
     in kv_dtype (None: its dtype), the reference's in its dtype."""
@@ -93,9 +100,9 @@ def compare(model, reference, tokenizer, text: str, context: int = 1024,
 
     ids = tokenizer.encode(text, add_special_tokens=False)
     nats, ref_nats, klds, same = 0.0, 0.0, [], 0
-    for (logits, targets), (ref_logits, _) in zip(scored_logits(model, ids, context, kv_dtype),
-                                                  scored_logits(reference, ids, context),
-                                                  strict=True):
+    for (logits, targets), (ref_logits, _) in zip(
+            scored_logits(model, ids, context, kv_dtype, as_prompt),
+            scored_logits(reference, ids, context, as_prompt=as_prompt), strict=True):
         logp, ref_logp = logits.log_softmax(-1), ref_logits.to(logits.device).log_softmax(-1)
         nats += float(F.nll_loss(logp, targets, reduction="sum"))
         ref_nats += float(F.nll_loss(ref_logp, targets, reduction="sum"))
@@ -126,10 +133,13 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(stored)
     model = load_model(stored, device, dtype).model
     context = min(args.context, model.config.max_position_embeddings)
-    result: dict = {"model": stored.name, "dtype": str(dtype).removeprefix("torch."),
+    as_prompt = args.rows == "prompt"
+    result: dict = {"model": stored.name, "rows": args.rows,
+                    "dtype": str(dtype).removeprefix("torch."),
                     "kv_cache_dtype": str(kv).removeprefix("torch."), "bytes": len(text.encode())}
     if ref is None:
-        result["bits_per_byte"] = bits_per_byte(model, tokenizer, text, context, kv)
+        result["bits_per_byte"] = bits_per_byte(model, tokenizer, text, context, kv,
+                                                as_prompt)
         line = f"{stored.name}: {result['bits_per_byte']:.4f} bits per byte"
     else:
         if load_tokenizer(ref).encode(text, add_special_tokens=False) != tokenizer.encode(
@@ -137,13 +147,13 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"{ref.name} does not share {stored.name}'s tokenizer")
         result["reference"] = ref.name
         result |= compare(model, load_model(ref, device, dtype).model, tokenizer, text,
-                          context, kv)
+                          context, kv, as_prompt)
         line = (f"{stored.name}: {result['bits_per_byte']:.4f} bits per byte "
                 f"({ref.name}: {result['reference_bits_per_byte']:.4f}); KL divergence from "
                 f"{ref.name}: mean {result['kld_mean']:.5f}, p99 {result['kld_p99']:.5f} nats; "
                 f"top-1 agreement {result['top1_agreement']:.2%} over {result['tokens']} tokens")
     print(f"{line} ({result['bytes']} bytes, {result['dtype']} compute, "
-          f"{result['kv_cache_dtype']} KV cache)")
+          f"{result['kv_cache_dtype']} KV cache, {args.rows} rows' kernels)")
     if args.json:
         print(json.dumps(result))
     return 0

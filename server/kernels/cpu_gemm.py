@@ -94,9 +94,8 @@ BLOCK = 32  # outputs per block of the layout: a layer's out_features must be a 
 # unpacked copy in memory: unpacking the whole model each step for oneDNN's AMX GEMM lost to
 # amx_gemm.c (prefill of 16 prompts of ~130 tokens on an Intel Xeon with AMX: smollm2-135m:int4
 # 2,100-2,160 against 1,380-1,620 tokens/s, the 360M shape 920-940 against 440-550). On an AMX
-# machine held to
-# avx512_gemm.c (LOCALSERVE_CPU_KERNELS), oneDNN's AMX GEMM on the unpacked weight is several
-# times that kernel at many rows. On AVX-512 BF16 without AMX the two are even at 16-64 rows
+# machine held to avx512_gemm.c (LOCALSERVE_CPU_KERNELS), oneDNN's AMX GEMM on the unpacked
+# weight is several times that kernel at many rows. On AVX-512 BF16 without AMX the two are even at 16-64 rows
 # (300-340 GFLOP/s on Zen 4, benchmarks/kernels.py) and this kernel needs no unpacked copy, so
 # every row takes it; on AVX2 oneDNN's bf16 GEMM is 4x slower than avx2_gemm.c at 64 rows (2.9
 # ms against 0.73 ms for 1536 x 576, measured on Zen 4 limited to AVX2). For int4 and int8
@@ -188,6 +187,9 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, group: int, lib=None,
     return None if failed else y
 
 
+_prompt_paths: dict[int, bool] = {}  # per library (its id): prompt_path's answer
+
+
 def prompt_path(lib=None) -> bool:
     """Whether `lib` (default: this machine's checked library) takes int4 layers' prompt rows
     in a kernel of their own (`gemm_prompt`: amx_gemm.c, where the process has AMX state;
@@ -200,9 +202,6 @@ def prompt_path(lib=None) -> bool:
         known = _prompt_paths[id(lib)] = (hasattr(lib, "int4_gemm_prompt")
                                           and lib.gemm_available() == 1)
     return known
-
-
-_prompt_paths: dict[int, bool] = {}  # per library (its id): prompt_path's answer
 
 
 def gemm_prompt(x: torch.Tensor, packed: torch.Tensor, group: int,

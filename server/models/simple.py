@@ -14,6 +14,7 @@ from torch import nn
 
 from server.models.attention import NULL_SLOT, build_metadata
 from server.models.batch import ForwardBatch
+from server.quant.rows import UnpackedWeights, end_step, split_rows
 
 MADV_DONTNEED = 4  # Linux
 
@@ -71,16 +72,27 @@ def _param_dtype(model: nn.Module) -> torch.dtype:
 
 @torch.inference_mode()
 def prompt_logits(model: nn.Module, ids: list[int], chunk: int = 512,
-                  kv_dtype: torch.dtype | None = None) -> torch.Tensor:
+                  kv_dtype: torch.dtype | None = None, as_prompt: bool = False) -> torch.Tensor:
     """[len(ids), vocab] fp32 logits of every position, prefilled `chunk` tokens at a time,
-    the KV cache in kv_dtype (None: the model's dtype)."""
+    the KV cache in kv_dtype (None: the model's dtype). `as_prompt`: every row through the
+    kernels an engine step gives prompt rows (server/quant/rows.py), else through those of
+    rows outside a step, which generated rows share."""
     device, dtype = model.model.norm.weight.device, _param_dtype(model)
     kv = allocate_kv(model, len(ids), device, kv_dtype or dtype)
+    unpacked = UnpackedWeights(model) if as_prompt else None
     out = []
     for start in range(0, len(ids), chunk):
         piece = ids[start:start + chunk]
         meta = build_metadata([len(piece)], [start + len(piece)], [[0]], len(ids), device, dtype)
-        hidden = model(ForwardBatch(torch.tensor(piece, device=device), meta), kv)
+        batch = ForwardBatch(torch.tensor(piece, device=device), meta)
+        if unpacked is not None:
+            batch.rows = split_rows(list(range(len(piece))), len(piece), device, unpacked,
+                                    start + chunk < len(ids))
+        try:
+            hidden = model(batch, kv)
+        finally:
+            if batch.rows is not None:
+                end_step(batch.rows)
         out.append(model.compute_logits(hidden))
     return torch.cat(out)
 

@@ -78,6 +78,31 @@ def test_reference_numbers_match_a_direct_computation(home, text, monkeypatch, c
     assert got["bits_per_byte"] == pytest.approx(alone["bits_per_byte"], rel=1e-5)
 
 
+def test_rows_prompt_scores_through_an_engine_steps_prompt_kernels(home, text, monkeypatch,
+                                                                   capsys):
+    """`--rows prompt` scores every row as an engine step's prompt rows (both models): on AMX
+    machines int4 prompt rows take amx_gemm.c's prompt kernel, so the numbers differ from the
+    default's there and nowhere else (fp32 compute; on a GPU neither takes our kernels)."""
+    from server.kernels import cpu_gemm
+
+    args = ("tiny:int4", "--text", str(text), "--reference", "tiny:bf16",
+            "--kv-cache-dtype", "fp32")
+    got = eval_json(home, monkeypatch, capsys, *args, "--rows", "prompt")
+    plain = eval_json(home, monkeypatch, capsys, *args)
+    assert (got["rows"], plain["rows"]) == ("prompt", "generated")
+    store = ModelStore(home)
+    ids = load_tokenizer(store.resolve("tiny:bf16")).encode(TEXT, add_special_tokens=False)
+    logp = {tag: prompt_logits(load_model(store.resolve(f"tiny:{tag}"), pick_device(),
+                                          torch.float32).model, ids, kv_dtype=torch.float32,
+                               as_prompt=True)[:-1].log_softmax(-1)
+            for tag in ("int4", "bf16")}
+    kld = (logp["bf16"].exp() * (logp["bf16"] - logp["int4"])).sum(-1).double()
+    assert got["kld_mean"] == pytest.approx(float(kld.mean()), rel=1e-4)
+    differs = pick_device().type == "cpu" and cpu_gemm.prompt_path()
+    assert (got["kld_mean"] != plain["kld_mean"]) == differs
+    assert (got["bits_per_byte"] != plain["bits_per_byte"]) == differs
+
+
 def test_a_model_against_itself_agrees_exactly(home, text, monkeypatch, capsys):
     got = eval_json(home, monkeypatch, capsys, "--reference", "tiny:int4", "tiny:int4",
                     "--text", str(text), "--context", "64",  # several windows
@@ -91,3 +116,6 @@ def test_unknown_reference_is_a_one_line_error(home, text, monkeypatch, capsys):
     assert main(["eval", "tiny:int4", "--reference", "nope:bf16", "--text", str(text)]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("localserve: error:") and len(err.splitlines()) == 1
+    with pytest.raises(SystemExit) as e:  # argparse's own usage error, exit 2
+        main(["eval", "tiny:int4", "--rows", "both", "--text", str(text)])
+    assert e.value.code == 2 and "--rows" in capsys.readouterr().err
