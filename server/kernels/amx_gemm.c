@@ -612,36 +612,35 @@ int amx_int4_gemm_prompt(const uint16_t *x, const uint8_t *packed, void *y, int6
     int failed = 0;
     #pragma omp parallel if (blocks >= 4) reduction(|:failed)
     {
+        /* every thread meets the loop (its barrier), with its buffer or without */
         uint16_t *w = aligned_alloc(64, (size_t)(k * 32 * 2));
+        __attribute__((aligned(64))) float sums[4][TILE_ROWS][16];
         failed = w == NULL;
-        if (w) {
-            __attribute__((aligned(64))) float sums[4][TILE_ROWS][16];
-            configure_tiles(m);
-            #pragma omp for schedule(static)
-            for (int64_t b = 0; b < blocks; b++) {
-                const uint8_t *blk = packed + b * groups * group_bytes(group);
-                dequantize_block(blk, k, group, w);
-                for (int64_t i = 0; i < m; i += 2 * TILE_ROWS) {
-                    const int r = m - i < 2 * TILE_ROWS ? (int)(m - i) : 2 * TILE_ROWS;
-                    const int tiles = r > TILE_ROWS ? 2 : 1;
-                    zero_sums();
-                    for (int64_t c = 0; c < k; c += CHUNK) {
-                        tile_load(6, w + c * 32, 64);
-                        tile_load(7, w + c * 32 + TILE_ROWS * 32, 64);
-                        chunk_products(xp + i * k + c, k, tiles);
-                    }
-                    store_sums(sums, tiles);
-                    for (int j = 0; j < r; j++) {
-                        const int t = j / TILE_ROWS, row = j % TILE_ROWS;
-                        store_outputs((char *)y + ((i + j) * n + b * 32) * yes,
-                                      _mm512_load_ps(sums[2 * t][row]),
-                                      _mm512_load_ps(sums[2 * t + 1][row]), out_fp32);
-                    }
+        configure_tiles(m);
+        #pragma omp for schedule(static)
+        for (int64_t b = 0; b < blocks; b++) {
+            if (!w) continue;
+            dequantize_block(packed + b * groups * group_bytes(group), k, group, w);
+            for (int64_t i = 0; i < m; i += 2 * TILE_ROWS) {
+                const int r = m - i < 2 * TILE_ROWS ? (int)(m - i) : 2 * TILE_ROWS;
+                const int tiles = r > TILE_ROWS ? 2 : 1;
+                zero_sums();
+                for (int64_t c = 0; c < k; c += CHUNK) {
+                    tile_load(6, w + c * 32, 64);
+                    tile_load(7, w + c * 32 + TILE_ROWS * 32, 64);
+                    chunk_products(xp + i * k + c, k, tiles);
+                }
+                store_sums(sums, tiles);
+                for (int j = 0; j < r; j++) {
+                    const int t = j / TILE_ROWS, row = j % TILE_ROWS;
+                    store_outputs((char *)y + ((i + j) * n + b * 32) * yes,
+                                  _mm512_load_ps(sums[2 * t][row]),
+                                  _mm512_load_ps(sums[2 * t + 1][row]), out_fp32);
                 }
             }
-            _tile_release();
-            free(w);
         }
+        _tile_release();
+        free(w);
     }
     free(padded);
     return failed;
