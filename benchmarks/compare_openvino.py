@@ -4,7 +4,9 @@ turns, fresh processes each round.
     python benchmarks/compare_openvino.py --openvino ~/ov-venv/bin/python [--rounds 3]
 
 OpenVINO GenAI lives in a venv of its own (`pip install torch==2.13.0 openvino-genai
-"optimum-intel[openvino]"`): its `optimum-cli` exports SmolLM2-135M (the bf16 Hugging Face folder
+"optimum-intel[openvino]"`; a torchvision built for another torch, if pip left one there,
+uninstalled: transformers' model classes fail to import beside it, and the export with them): its
+`optimum-cli` exports SmolLM2-135M (the bf16 Hugging Face folder
 benchmarks/peers.py makes from the GGUF the other benchmarks run; `--vllm-python` names the
 venv whose transformers makes it) at int4, group 32 (576 is not a multiple of 128),
 asymmetric, every layer (`--ratio 1.0`), once. Its ContinuousBatchingPipeline then generates for
