@@ -35,7 +35,7 @@ FLEET_ROUTER_ARGS = ("--cb-failure-threshold", "1", "--retry-max-retries", "3",
 
 @pytest.fixture
 def fleet(request, postgres, tiny_home, tmp_path):
-    """Two replicas; a test parametrized with `threads` (indirect) gives each that many."""
+    """Two replicas; a test that parametrizes `fleet` (indirect) with N gives each N threads."""
     store = postgres.create_database()
     threads = ["--threads", str(request.param)] if hasattr(request, "param") else []
     replicas = []
